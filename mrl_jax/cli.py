@@ -1,0 +1,122 @@
+"""The ``mrl`` command: parses arguments and calls one library function per verb.
+
+Every verb writes ``summary.json`` in ``--out``. Heavy imports happen inside the verbs so ``mrl --help``
+is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, type=Path,
+                   help="output directory; created if missing; summary.json and the artefacts go here")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mrl",
+        description="Mutual Reinforcement Learning for heterogeneous LLM policies (JAX/Flax).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Each verb writes summary.json in --out. `mrl VERB --help` explains a verb's options.",
+    )
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    demo = sub.add_parser("demo", help="embedded default: none/xgrpo/prp/sgt on tiny heterogeneous policies",
+                          description="Build two tiny heterogeneous policies (different families, sizes and "
+                          "tokenizer algorithms), warm-start each on a different part of a synthetic fact table, run "
+                          "the same RL budget under every probe and several seeds, evaluate on held-out prompts. "
+                          "Writes summary.json, summary.md (table) and curves.png.")
+    _add_out(demo)
+    demo.add_argument("--quick", action="store_true", help="smaller budget (fewer rounds and seeds), ~3 minutes on CPU")
+    demo.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3, or 1 with --quick)")
+    demo.add_argument("--probes", default=None,
+                      help="comma-separated probe specs to compare (default: none,xgrpo,prp,sgt)")
+
+    train = sub.add_parser("train", help="an MRL run from a YAML config",
+                           description="Run MRL rounds for the policies of a YAML config (see experiments/). "
+                           "Checkpoints, metrics.jsonl, TensorBoard events and samples go to --out.")
+    train.add_argument("--config", required=True, type=Path, help="YAML run config (see `mrl config-help`)")
+    _add_out(train)
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the last complete checkpoint in --out (same config)")
+    train.add_argument("--coordinator", default=None,
+                       help="multi-host: coordinator address host:port for jax.distributed.initialize "
+                       "(or env MRL_COORDINATOR); omit for a single process")
+    train.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+    train.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+
+    ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint")
+    ev.add_argument("--config", required=True, type=Path, help="the run's YAML config")
+    ev.add_argument("--run", type=Path, default=None, help="the run directory holding checkpoints/ (default: --out)")
+    _add_out(ev)
+
+    bandit = sub.add_parser("bandit", help="the contextual-bandit analysis (stability-support plane)",
+                            description="Exact and Monte Carlo analysis of the probes on a heterogeneous "
+                            "contextual bandit. Writes summary.json, summary.md, plane.png and curves.png.")
+    _add_out(bandit)
+    bandit.add_argument("--quick", action="store_true", help="small settings, under a minute on CPU")
+    bandit.add_argument("--seed", type=int, default=0, help="base random seed")
+
+    bench = sub.add_parser("bench", help="benchmarks of every piece (see benchmarks/RESULTS.md)")
+    _add_out(bench)
+    bench.add_argument("--quick", action="store_true", help="small shapes, a couple of minutes on CPU")
+    bench.add_argument("--only", default=None, help="comma-separated subset of benchmarks to run")
+
+    sub.add_parser("config-help", help="print every run-config key with its type, default and meaning")
+    return parser
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from mrl_jax.configs import ConfigError
+
+    try:
+        if args.verb == "demo":
+            from mrl_jax.demo import run_demo
+
+            probes = args.probes.split(",") if args.probes else None
+            summary = run_demo(args.out, quick=args.quick, num_seeds=args.seeds, probes=probes)
+        elif args.verb == "train":
+            from mrl_jax.trainer import train_from_yaml
+
+            summary = train_from_yaml(args.config, args.out, resume=args.resume, coordinator=args.coordinator,
+                                      num_processes=args.num_processes, process_id=args.process_id)
+        elif args.verb == "eval":
+            from mrl_jax.trainer import evaluate_from_yaml
+
+            summary = evaluate_from_yaml(args.config, args.run or args.out)
+        elif args.verb == "bandit":
+            from mrl_jax.bandit import run as run_bandit
+
+            summary = run_bandit(str(args.out), quick=args.quick, seed=args.seed)
+        elif args.verb == "bench":
+            from mrl_jax.bench import run_benchmarks
+
+            only = args.only.split(",") if args.only else None
+            summary = run_benchmarks(args.out, quick=args.quick, only=only)
+        else:  # config-help
+            from mrl_jax.configs import describe
+            from mrl_jax.trainer.config import RunConfig
+
+            print("\n".join(describe(RunConfig)))
+            return 0
+    except ConfigError as e:
+        print(f"mrl {args.verb}: config error: {e}", file=sys.stderr)
+        return 2
+    _write_summary(args.out, summary)
+    print(f"wrote {args.out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
