@@ -1,0 +1,159 @@
+"""Building blocks (Linear, Embed, norms) and the ``CausalLM`` base class with the shared public API."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import KVCache, default_positions, make_mask
+from .config import ModelConfig
+
+INIT_STD = 0.02  # HF initializer_range
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel: [in, out] (HF nn.Linear weight transposed; GPT-2 Conv1D as is)."""
+
+    def __init__(self, din: int, dout: int, *, use_bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.kernel = nnx.Param(INIT_STD * jax.random.normal(rngs.params(), (din, dout), jnp.float32).astype(pd))
+        self.bias = nnx.Param(jnp.zeros((dout,), pd)) if use_bias else None
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """embedding: [num, dim]."""
+
+    def __init__(self, num: int, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(
+            INIT_STD * jax.random.normal(rngs.params(), (num, dim), jnp.float32).astype(cfg.jnp_param_dtype))
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """f32 logits h @ embedding.T (tied head)."""
+        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """HF LlamaRMSNorm: statistics in float32, ``scale * x_normed.astype(dtype)``."""
+
+    def __init__(self, dim: int, *, cfg: ModelConfig):
+        self.scale = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
+        self.eps = cfg.norm_eps
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * xf.astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with statistics in float32."""
+
+    def __init__(self, dim: int, *, cfg: ModelConfig):
+        self.scale = nnx.Param(jnp.ones((dim,), cfg.jnp_param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), cfg.jnp_param_dtype))
+        self.eps = cfg.norm_eps
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def activation(name: str):
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    return lambda x: jax.nn.gelu(x, approximate=True)  # gelu_new / gelu_pytorch_tanh
+
+
+class CausalLM(nnx.Module):
+    """Shared public API. Subclasses define ``embed(ids, positions)``, ``layers`` (nnx.List of blocks with
+    ``__call__(x, positions, mask, cache, layer, cache_index) -> (x, cache)``), ``final_norm`` and
+    ``head(h)``."""
+
+    config: ModelConfig
+
+    # -- to implement
+    def embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """f32 logits [..., V] from hidden states [..., D] (tied or untied head)."""
+        raise NotImplementedError
+
+    def _masks(self, kv_mask, cache_index, T):
+        windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+        return {w: make_mask(kv_mask, cache_index, T, w) for w in windows}
+
+    def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
+        x = self.embed(input_ids, positions)
+        masks = self._masks(kv_mask, cache_index, input_ids.shape[1])
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
+                             cache_index=cache_index)
+        return self.final_norm(x), cache
+
+    # -- public API
+    def hidden(self, input_ids: jax.Array, *, positions: Optional[jax.Array] = None,
+               attention_mask: Optional[jax.Array] = None) -> jax.Array:
+        """[B, T, D] hidden states after the final norm (compute dtype).
+
+        attention_mask: bool/int[B, T], 1 = real token (key padding); positions default to
+        cumsum(mask) - 1 clipped at 0, so left-padded rows work."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        B, T = input_ids.shape
+        if positions is None:
+            positions = default_positions(input_ids, attention_mask)
+        kv_mask = jnp.ones((B, T), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
+        h, _ = self._run(input_ids, jnp.asarray(positions, jnp.int32), kv_mask, None, 0)
+        return h
+
+    def __call__(self, input_ids: jax.Array, *, positions: Optional[jax.Array] = None,
+                 attention_mask: Optional[jax.Array] = None) -> jax.Array:
+        """f32 logits [B, T, V]."""
+        return self.head(self.hidden(input_ids, positions=positions, attention_mask=attention_mask))
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """Zeroed KVCache [num_layers, batch_size, max_len, num_kv_heads, head_dim] in the compute dtype."""
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
+                             dtype=c.jnp_dtype if dtype is None else dtype)
+
+    def decode_hidden(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index,
+                      kv_mask: jax.Array) -> Tuple[jax.Array, KVCache]:
+        """Like ``decode`` but returns final-norm hidden states [B, T, D] (apply ``head`` to the rows you need,
+        e.g. only the last prompt position after prefill)."""
+        return self._run(jnp.asarray(input_ids, jnp.int32), jnp.asarray(positions, jnp.int32),
+                         jnp.asarray(kv_mask).astype(bool), cache, jnp.asarray(cache_index, jnp.int32))
+
+    def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, cache_index,
+               kv_mask: jax.Array) -> Tuple[jax.Array, KVCache]:
+        """Cached step: writes the T new k/v at slots [cache_index, cache_index + T) and attends to slot s iff
+        kv_mask[b, s] (validity of slots AFTER writing) and s <= cache_index + t. Prefill = decode of the
+        whole (left-padded) prompt at cache_index 0. Returns (f32 logits [B, T, V], new cache).
+        input_ids, positions: int32[B, T]; kv_mask: bool[B, S]; cache_index: int32 scalar (may be traced);
+        the caller must keep cache_index + T <= S."""
+        h, cache = self.decode_hidden(input_ids, positions, cache, cache_index, kv_mask)
+        return self.head(h), cache
