@@ -1,0 +1,340 @@
+"""Sub-mesh allocation: which policy gets which devices (pure logic + `jax.sharding.Mesh` construction).
+
+Cost model. A policy's cost is ``parameters x tokens per round`` (the FLOPs of its rollout + update scale
+with it). With ``D >= N`` devices for ``N`` policies each policy gets a *disjoint*, contiguous slice of the
+devices whose size is proportional to its cost, rounded by the largest-remainder (Hamilton) method with a
+floor of one device each. Devices are ordered by ``(process_index, id)`` first, so a slice stays inside one
+host whenever its size allows.
+
+Time-sharing (``D < N``). Two modes, chosen by ``time_share``:
+
+* ``"pack"`` (default): every policy gets a **1-device mesh**; policies are packed onto devices greedily by
+  cost (largest cost first onto the least-loaded device, ties to the lower device index). With equal costs
+  this is round-robin: policy ``i`` -> device ``i % D``. Policies on the same device run one after the other
+  (the device's stream serialises them); policies on different devices still run concurrently.
+* ``"full"``: every policy gets the **whole** mesh of ``D`` devices; all policies time-share all devices.
+  Use it when a policy's parameters + optimizer state do not fit on one device.
+
+Memory estimate (per device, bytes), used by `Plan` and by the ``memory_bytes`` check:
+``(params + grads + AdamW mu + AdamW nu) = 16 B/param in fp32``, plus activations (``activation_bytes`` when
+given, else ``ACTIVATION_FRACTION`` x the former -- a rough placeholder: pass real numbers when known),
+all divided by the mesh size (FSDP shards parameters/optimizer state and the batch over the data axis).
+Policies that time-share a device add up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+BYTES_PER_PARAM_TRAINING = 16  # fp32 params + fp32 grads + AdamW mu + nu
+ACTIVATION_FRACTION = 0.25  # default activation estimate, as a fraction of the params+optimizer bytes
+TIME_SHARE_MODES = ("pack", "full")
+_GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyPlan:
+    """One policy's share: devices, mesh shape and expected memory."""
+
+    index: int
+    name: str
+    cost: float
+    device_ids: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    param_count: int | None
+    memory_bytes_per_device: int | None  # this policy alone, per device of its mesh
+    shares_with: tuple[str, ...]  # names of the policies that time-share (some of) these devices
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The allocation of devices to policies. ``str(plan)`` is a table; ``plan.to_dict()`` goes to summary.json."""
+
+    policies: tuple[PolicyPlan, ...]
+    axis_names: tuple[str, ...]
+    mode: str  # "disjoint" | "time_share:pack" | "time_share:full"
+    num_devices: int
+    platform: str
+    memory_limit_bytes: int | None
+    device_memory_bytes: dict[int, int] | None  # device id -> all policies resident on it
+    _devices: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def meshes(self) -> list:
+        """One `jax.sharding.Mesh` per policy, in policy order (devices first on axis ``axis_names[0]``)."""
+        from jax.sharding import Mesh
+
+        by_id = {d.id: d for d in self._devices}
+        out = []
+        for p in self.policies:
+            devs = np.array([by_id[i] for i in p.device_ids], dtype=object).reshape(p.mesh_shape)
+            out.append(Mesh(devs, self.axis_names))
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "num_devices": self.num_devices,
+            "platform": self.platform,
+            "axis_names": list(self.axis_names),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "device_memory_bytes": (
+                None if self.device_memory_bytes is None
+                else {str(k): v for k, v in self.device_memory_bytes.items()}
+            ),
+            "policies": [
+                {
+                    "name": p.name,
+                    "cost": p.cost,
+                    "cost_share": p.cost / sum(q.cost for q in self.policies),
+                    "device_ids": list(p.device_ids),
+                    "mesh_shape": list(p.mesh_shape),
+                    "param_count": p.param_count,
+                    "memory_bytes_per_device": p.memory_bytes_per_device,
+                    "shares_with": list(p.shares_with),
+                }
+                for p in self.policies
+            ],
+        }
+
+    def __str__(self) -> str:
+        total = sum(p.cost for p in self.policies)
+        head = ("policy", "cost share", "devices", "mesh", "params", "mem/device", "time-shares with")
+        rows = []
+        for p in self.policies:
+            rows.append((
+                p.name,
+                f"{p.cost / total:.1%}",
+                _ids(p.device_ids),
+                "x".join(map(str, p.mesh_shape)) + f" ({','.join(self.axis_names)})",
+                "-" if p.param_count is None else _human(p.param_count),
+                "-" if p.memory_bytes_per_device is None else _bytes(p.memory_bytes_per_device),
+                ", ".join(p.shares_with) or "-",
+            ))
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        lim = "" if self.memory_limit_bytes is None else f", limit {_bytes(self.memory_limit_bytes)}/device"
+        out = [f"MWRA plan: {len(self.policies)} policies on {self.num_devices} {self.platform} device(s), "
+               f"mode={self.mode}{lim}", line(head), line(tuple("-" * w for w in widths))]
+        out += [line(r) for r in rows]
+        return "\n".join(out)
+
+
+def _ids(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def _bytes(b: float) -> str:
+    for div, suf in ((_GIB, "GiB"), (float(1 << 20), "MiB"), (1024.0, "KiB")):
+        if b >= div:
+            return f"{b / div:.2f} {suf}"
+    return f"{int(b)} B"
+
+
+def _human(n: int) -> str:
+    for div, suf in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suf}"
+    return str(n)
+
+
+def _validate_costs(costs: Sequence[float]) -> list[float]:
+    try:
+        costs = [float(c) for c in costs]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"costs must be a sequence of numbers (parameters x tokens per round), got {costs!r}") from e
+    if not costs:
+        raise ValueError("costs is empty: pass one cost (parameters x tokens per round) per policy")
+    for i, c in enumerate(costs):
+        if not math.isfinite(c) or c <= 0:
+            raise ValueError(
+                f"cost of policy {i} is {c!r}: every cost must be a finite number > 0 "
+                "(use parameters x tokens per round, e.g. 0.5e9 * 4096)")
+    return costs
+
+
+def proportional_split(costs: Sequence[float], num_devices: int) -> list[int]:
+    """Device counts proportional to ``costs`` summing to ``num_devices`` (>= 1 each; needs devices >= policies).
+
+    Largest-remainder rounding of the quotas ``D * c_i / sum(c)`` with a floor of 1; when the floor
+    over-allocates, devices are taken back from the policies furthest above their quota. Deterministic:
+    ties go to the lower policy index.
+    """
+    costs = _validate_costs(costs)
+    n = len(costs)
+    if num_devices < n:
+        raise ValueError(f"proportional_split needs at least one device per policy ({num_devices} < {n})")
+    total = sum(costs)
+    quota = [num_devices * c / total for c in costs]
+    alloc = [max(1, int(math.floor(q + 1e-9))) for q in quota]
+    while sum(alloc) < num_devices:  # give to the largest remainder
+        i = max(range(n), key=lambda k: (quota[k] - alloc[k], -k))
+        alloc[i] += 1
+    while sum(alloc) > num_devices:  # take from the one furthest above quota (never below 1)
+        cand = [k for k in range(n) if alloc[k] > 1]
+        i = min(cand, key=lambda k: (quota[k] - alloc[k], -k))
+        alloc[i] -= 1
+    return alloc
+
+
+def _sort_devices(devices: Sequence[Any]) -> list[Any]:
+    return sorted(devices, key=lambda d: (getattr(d, "process_index", 0), d.id))
+
+
+def estimate_memory_bytes(param_count: int, num_devices: int = 1, activation_bytes: int | None = None) -> int:
+    """Per-device training memory of one policy sharded (FSDP) over ``num_devices`` (see module doc)."""
+    state = BYTES_PER_PARAM_TRAINING * int(param_count)
+    act = int(ACTIVATION_FRACTION * state) if activation_bytes is None else int(activation_bytes)
+    return int(math.ceil((state + act) / max(1, num_devices)))
+
+
+def plan(
+    costs: Sequence[float],
+    devices: Sequence[Any] | None = None,
+    param_counts: Sequence[int] | None = None,
+    names: Sequence[str] | None = None,
+    *,
+    axis_names: Sequence[str] = ("data",),
+    memory_bytes: int | None = None,
+    activation_bytes: Sequence[int] | None = None,
+    time_share: str = "pack",
+) -> Plan:
+    """Decide which devices each policy gets (no device is touched; fake device objects with ``.id`` work).
+
+    Args:
+      costs: one positive cost per policy (parameters x tokens per round); only ratios matter.
+      devices: defaults to ``jax.devices()`` (global over all processes after `initialize_distributed`).
+      param_counts: per-policy parameter counts, for the memory estimate (required with ``memory_bytes``).
+      names: per-policy names for the table (default ``policy0, policy1, ...``).
+      axis_names: mesh axis names; all devices go on the first axis, the others have size 1.
+      memory_bytes: per-device memory limit; when given, a plan whose estimate exceeds it raises.
+      activation_bytes: per-policy activation bytes (whole batch) overriding the default estimate.
+      time_share: "pack" or "full" -- what to do when devices < policies (see module doc).
+    Raises:
+      ValueError naming the fix for: empty/non-positive/non-finite costs, no devices, mismatched lengths,
+      an unknown ``time_share``, or a policy that cannot fit ``memory_bytes``.
+    """
+    costs = _validate_costs(costs)
+    n = len(costs)
+    if devices is None:
+        import jax
+
+        devices = jax.devices()
+    devices = _sort_devices(list(devices))
+    if not devices:
+        raise ValueError("no devices to allocate: pass devices=jax.devices() (or check JAX_PLATFORMS / "
+                         "that the accelerator is visible)")
+    if len({d.id for d in devices}) != len(devices):
+        raise ValueError("devices contains duplicates: pass each device once")
+    if time_share not in TIME_SHARE_MODES:
+        raise ValueError(f"time_share={time_share!r}: use one of {TIME_SHARE_MODES}")
+    axis_names = tuple(axis_names)
+    if not axis_names or len(set(axis_names)) != len(axis_names):
+        raise ValueError(f"axis_names={axis_names!r}: give at least one, all distinct (e.g. ('data',))")
+    names = [f"policy{i}" for i in range(n)] if names is None else [str(s) for s in names]
+    for label, seq in (("names", names), ("param_counts", param_counts), ("activation_bytes", activation_bytes)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{label} has {len(seq)} entries for {n} costs: give one per policy")
+    if param_counts is not None:
+        for i, pc in enumerate(param_counts):
+            if int(pc) <= 0:
+                raise ValueError(f"param_counts[{i}]={pc}: parameter counts must be positive integers")
+    if memory_bytes is not None:
+        if not memory_bytes or memory_bytes <= 0:
+            raise ValueError(f"memory_bytes={memory_bytes!r}: give the per-device memory in bytes (> 0)")
+        if param_counts is None:
+            raise ValueError("memory_bytes needs param_counts (one per policy) to estimate each policy's memory")
+
+    D = len(devices)
+    ids = [d.id for d in devices]
+    if D >= n:
+        mode = "disjoint"
+        sizes = proportional_split(costs, D)
+        groups, start = [], 0
+        for s in sizes:
+            groups.append(ids[start:start + s])
+            start += s
+    elif time_share == "full":
+        mode = "time_share:full"
+        groups = [list(ids) for _ in range(n)]
+    else:
+        mode = "time_share:pack"
+        load = [0.0] * D
+        groups = [None] * n
+        for i in sorted(range(n), key=lambda k: (-costs[k], k)):
+            j = min(range(D), key=lambda k: (load[k], k))
+            load[j] += costs[i]
+            groups[i] = [ids[j]]
+
+    mem = None
+    if param_counts is not None:
+        mem = [estimate_memory_bytes(param_counts[i], len(groups[i]),
+                                     None if activation_bytes is None else activation_bytes[i]) for i in range(n)]
+    dev_mem = None
+    if mem is not None:
+        dev_mem = {i: 0 for i in ids}
+        for k, g in enumerate(groups):
+            for i in g:
+                dev_mem[i] += mem[k]
+
+    policies = []
+    for k, g in enumerate(groups):
+        shares = tuple(names[m] for m in range(n) if m != k and set(groups[m]) & set(g))
+        policies.append(PolicyPlan(
+            index=k, name=names[k], cost=costs[k], device_ids=tuple(g),
+            mesh_shape=(len(g),) + (1,) * (len(axis_names) - 1),
+            param_count=None if param_counts is None else int(param_counts[k]),
+            memory_bytes_per_device=None if mem is None else mem[k], shares_with=shares))
+
+    if memory_bytes is not None:
+        for dev_id, used in dev_mem.items():
+            if used > memory_bytes:
+                resident = [p for p in policies if dev_id in p.device_ids]
+                worst = max(resident, key=lambda p: p.memory_bytes_per_device)
+                need = estimate_memory_bytes(worst.param_count, 1,
+                                             None if activation_bytes is None else activation_bytes[worst.index])
+                min_devs = int(math.ceil(need / memory_bytes))
+                head = (f"policies {[p.name for p in resident]} need ~{_bytes(used)} on device {dev_id} but "
+                        f"memory_bytes={_bytes(memory_bytes)}. ")
+                if len(resident) > 1 and worst.memory_bytes_per_device <= memory_bytes:
+                    why = "Each fits alone but they do not fit together: "
+                else:
+                    why = (f"'{worst.name}' ({_human(worst.param_count)} params, {BYTES_PER_PARAM_TRAINING} B/param "
+                           f"+ activations) needs >= {min_devs} device(s) of this size: ")
+                fixes = ["add devices", "raise its cost so it gets more devices"]
+                if mode == "time_share:pack":
+                    fixes.insert(0, "use time_share='full' so every policy is sharded over all devices")
+                fixes.append("or shrink the model / micro-batch (activation_bytes)")
+                raise ValueError(head + why + ", ".join(fixes) + ".")
+
+    platform = getattr(devices[0], "platform", "unknown")
+    return Plan(policies=tuple(policies), axis_names=axis_names, mode=mode, num_devices=D, platform=platform,
+                memory_limit_bytes=None if memory_bytes is None else int(memory_bytes),
+                device_memory_bytes=dev_mem, _devices=tuple(devices))
+
+
+def allocate(
+    costs: Sequence[float],
+    devices: Sequence[Any] | None = None,
+    *,
+    axis_names: Sequence[str] = ("data",),
+    memory_bytes: int | None = None,
+    param_counts: Sequence[int] | None = None,
+    activation_bytes: Sequence[int] | None = None,
+    time_share: str = "pack",
+) -> list:
+    """One `jax.sharding.Mesh` per policy over disjoint device slices sized by cost (see `plan` for arguments).
+
+    >>> a, b = allocate([1.0, 3.0], jax.devices())   # on 8 devices: a has 2 devices, b has 6
+    """
+    return plan(costs, devices, param_counts, axis_names=axis_names, memory_bytes=memory_bytes,
+                activation_bytes=activation_bytes, time_share=time_share).meshes()

@@ -1,0 +1,94 @@
+"""Multi-host start-up through JAX's own runtime (`jax.distributed.initialize`); see docs/multihost.md."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+ENV_COORDINATOR = ("MRL_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
+ENV_NUM_PROCESSES = ("MRL_NUM_PROCESSES", "JAX_NUM_PROCESSES")
+ENV_PROCESS_ID = ("MRL_PROCESS_ID", "JAX_PROCESS_ID")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+    initialized: bool  # True when jax.distributed is running (multi-process)
+    process_id: int
+    num_processes: int
+    coordinator_address: str | None
+
+
+def _env(names: tuple[str, ...]) -> str | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+def _int(value, label: str, env: tuple[str, ...]) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{label}={value!r} is not an integer (argument or ${' / $'.join(env)})") from e
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *, auto_detect: bool | None = None,
+                           local_device_ids=None, initialization_timeout: int = 300) -> DistributedInfo:
+    """Join the processes of one run (one process per host) before any other JAX call.
+
+    Each argument falls back to the environment: ``MRL_COORDINATOR`` / ``JAX_COORDINATOR_ADDRESS``
+    (``host:port`` of process 0), ``MRL_NUM_PROCESSES`` / ``JAX_NUM_PROCESSES``, ``MRL_PROCESS_ID`` /
+    ``JAX_PROCESS_ID``. With one process (nothing set, or ``num_processes=1``) it is a no-op. With
+    ``auto_detect=True`` (default: ``$MRL_DISTRIBUTED_AUTO`` is 1/true) and nothing set, JAX's own cluster
+    detection (SLURM, Open MPI, Cloud TPU pods, ...) decides.
+    Calling it again after a successful start returns the running state. Afterwards ``jax.devices()`` is the
+    global device list, and `allocate` / `plan` spread policies over every host's devices.
+    """
+    if jax.distributed.is_initialized():
+        return DistributedInfo(True, jax.process_index(), jax.process_count(),
+                               coordinator_address or _env(ENV_COORDINATOR))
+    coordinator_address = coordinator_address or _env(ENV_COORDINATOR)
+    num_processes = _int(num_processes if num_processes is not None else _env(ENV_NUM_PROCESSES),
+                         "num_processes", ENV_NUM_PROCESSES)
+    process_id = _int(process_id if process_id is not None else _env(ENV_PROCESS_ID), "process_id",
+                      ENV_PROCESS_ID)
+
+    if auto_detect is None:
+        auto_detect = os.environ.get("MRL_DISTRIBUTED_AUTO", "").strip().lower() in ("1", "true", "yes")
+    if coordinator_address is None and num_processes is None and process_id is None:
+        if not auto_detect:
+            return DistributedInfo(False, 0, 1, None)
+        jax.distributed.initialize(initialization_timeout=initialization_timeout)
+        return DistributedInfo(True, jax.process_index(), jax.process_count(), None)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes={num_processes}: must be >= 1 (one process per host)")
+    if num_processes == 1:
+        if process_id not in (None, 0):
+            raise ValueError(f"process_id={process_id} with num_processes=1: the only process has id 0")
+        return DistributedInfo(False, 0, 1, coordinator_address)
+    missing = [n for n, v in (("coordinator_address ($MRL_COORDINATOR)", coordinator_address),
+                              ("num_processes ($MRL_NUM_PROCESSES)", num_processes),
+                              ("process_id ($MRL_PROCESS_ID)", process_id)) if v is None]
+    if missing:
+        raise ValueError(f"multi-process start needs {', '.join(missing)}: set all three on every host "
+                         "(same coordinator host:port and count everywhere; ids 0..num_processes-1)")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} out of range for num_processes={num_processes}: "
+                         f"use 0..{num_processes - 1}, a different one on each host")
+    if ":" not in coordinator_address:
+        raise ValueError(f"coordinator_address={coordinator_address!r}: use host:port of process 0, "
+                         "e.g. 10.0.0.1:1234")
+    try:  # CPU multi-process collectives; gloo is the default in recent jax, set it where it is unset
+        if jax.config.jax_cpu_collectives_implementation is None:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:
+        pass
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=local_device_ids,
+                               initialization_timeout=initialization_timeout)
+    return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
