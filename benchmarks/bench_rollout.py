@@ -1,0 +1,199 @@
+"""Rollout throughput: mrl_jax.rollout.generate vs transformers' generate (torch CPU), SAME weights.
+
+For each model family a small random model is built with ``transformers`` (torch), saved with
+``save_pretrained`` to a temp dir and loaded with ``mrl_jax.models.from_pretrained``; both samplers then
+generate exactly ``max_new_tokens`` tokens (no EOS stop; multinomial sampling, temperature 1, no
+top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s of each (min over
+``repeats`` interleaved timed calls after a warm-up / compile call) and the ratio ours / transformers.
+
+    python benchmarks/bench_rollout.py [--quick] [--out FILE]
+
+``run(quick) -> dict`` is what ``mrl bench`` calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# Cases: "demo" = the embedded demo's regime (tiny policies, 16 prompts x 8 samples);
+# "medium" = an ~8M-parameter model where both sides are matmul-bound on CPU.
+CASES = {
+    "demo": dict(batch=128, prompt_len=32, new_tokens=64, hidden=96, layers=2, heads=4, kv_heads=2,
+                 vocab=512, repeats=3),
+    "quick": dict(batch=32, prompt_len=16, new_tokens=32, hidden=64, layers=2, heads=4, kv_heads=2,
+                  vocab=512, repeats=2),
+    "medium": dict(batch=16, prompt_len=64, new_tokens=128, hidden=256, layers=4, heads=8, kv_heads=4,
+                   vocab=8192, repeats=2),
+}
+PLAN = {
+    True: [("llama", "quick")],
+    False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium")],
+}
+
+
+def _hf_model(family: str, s: dict, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    max_pos = 2 * (s["prompt_len"] + s["new_tokens"])
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
+            num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+            max_position_embeddings=max_pos, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+            n_positions=max_pos, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(family)
+    return model.eval().to(torch.float32)
+
+
+def _prompts(s: dict, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    b, tp = s["batch"], s["prompt_len"]
+    lens = rng.integers(tp // 2, tp + 1, size=b)
+    lens[0] = tp
+    ids = np.zeros((b, tp), np.int32)
+    mask = np.zeros((b, tp), bool)
+    for i, n in enumerate(lens):
+        ids[i, tp - n:] = rng.integers(3, vocab, size=n)
+        mask[i, tp - n:] = True
+    return ids, mask
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_family(family: str, s: dict) -> dict:
+    import jax
+    import torch
+    from flax import nnx
+
+    from mrl_jax import models
+    from mrl_jax.rollout import SamplingConfig, generate
+
+    hf = _hf_model(family, s)
+    ids, mask = _prompts(s, s["vocab"])
+    b, n = s["batch"], s["new_tokens"]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        ours = models.from_pretrained(tmp)
+    graphdef, params = nnx.split(ours)
+
+    cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, eos_id=None, pad_id=0)
+    key = [jax.random.key(0)]
+    jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
+
+    def ours_fn():
+        key[0], k = jax.random.split(key[0])  # a fresh key per call
+        return jax.block_until_ready(generate(graphdef, params, jids, jmask, k, cfg))
+
+    tids, tmask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def hf_fn():
+        with torch.inference_mode():
+            out = hf.generate(input_ids=tids, attention_mask=tmask, do_sample=True, max_new_tokens=n,
+                              min_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n, out.shape
+        return out
+
+    # Warm-up (our compile; torch's first-call allocations), then INTERLEAVED timed calls and the MIN
+    # of each: the machine is shared, and interleaving + min keeps background load from favouring
+    # either side. torch's OpenMP threads spin badly on oversubscribed cores, so torch runs with 1
+    # thread and (once) with its default; the faster counts (conservative for our ratio).
+    default_threads = torch.get_num_threads()
+    compile_s = _once(ours_fn)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    hf_fn()
+    ours_t, hf1_t = [], []
+    for _ in range(s["repeats"]):
+        ours_t.append(_once(ours_fn))
+        hf1_t.append(_once(hf_fn))
+    hf_by_threads = {1: min(hf1_t)}
+    if default_threads != 1:
+        torch.set_num_threads(default_threads)
+        hf_by_threads[default_threads] = _once(hf_fn)
+        torch.set_num_threads(default_threads)
+    ours_s, hf_s = min(ours_t), min(hf_by_threads.values())
+
+    ours_tps = b * n / ours_s
+    hf_tps = b * n / hf_s
+    return {
+        "family": family,
+        "batch": b, "prompt_len": s["prompt_len"], "new_tokens": n,
+        "model": {k: s[k] for k in ("hidden", "layers", "heads", "kv_heads", "vocab")},
+        "params": int(sum(p.numel() for p in hf.parameters())),
+        "ours_tokens_per_s": ours_tps,
+        "hf_tokens_per_s": hf_tps,
+        "speedup_vs_hf": ours_tps / hf_tps,
+        "ours_seconds": ours_s,
+        "hf_seconds": hf_s,
+        "ours_seconds_all": ours_t,
+        "hf_seconds_all_1_thread": hf1_t,
+        "hf_seconds_by_torch_threads": hf_by_threads,
+        "ours_first_call_seconds_incl_compile": compile_s,
+    }
+
+
+def run(quick: bool = False) -> dict:
+    import jax
+    import torch
+
+    result = {
+        "benchmark": "rollout_tokens_per_s",
+        "quick": quick,
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "results": {},
+    }
+    for fam, case in PLAN[bool(quick)]:
+        try:
+            r = bench_family(fam, CASES[case])
+            r["case"] = case
+        except Exception as e:  # keep the other cases' numbers
+            r = {"error": f"{type(e).__name__}: {e}"}
+        result["results"][f"{fam}_{case}"] = r
+    ratios = [r["speedup_vs_hf"] for r in result["results"].values() if "speedup_vs_hf" in r]
+    result["min_speedup_vs_hf"] = min(ratios) if ratios else None
+    result["note"] = ("tokens/s = batch * new_tokens / median wall time of a full generate call (prefill "
+                      "included), min over interleaved repeats; same weights, same prompts, multinomial "
+                      "T=1, no EOS stop; HF = faster of torch 1 thread / default threads")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+    res = run(quick=a.quick)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

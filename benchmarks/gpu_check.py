@@ -1,0 +1,375 @@
+"""One-shot accelerator check (H200): rollout throughput vs the HBM roofline, plus hooks for more.
+
+    python benchmarks/gpu_check.py [--out FILE] [--sections a,b,...] [--budget-s 280]
+    python benchmarks/gpu_check.py --tiny          # tiny shapes: runs on CPU in ~1 min (smoke test)
+
+Writes JSON to ``--out``, else ``$OUT/gpu_check.json``, else ``./gpu_check.json``; the file is rewritten
+after EVERY section, so a timeout or crash keeps what was measured. Each section runs in try/except
+(an error is recorded with its traceback and the next section runs). Sections are skipped once the
+time budget is spent.
+
+Sections (in order; see ``SECTIONS``):
+  env             jax/flax/transformers/torch versions, devices, memory.
+  copy_bandwidth  measured device copy bandwidth (y = x * 2 over a large bf16 buffer, read + write
+                  bytes / time, median of repeats) -- the denominator of the roofline.
+  model           random-init Qwen2.5-0.5B-shaped model (vocab 151936, hidden 896, 24 layers, 14 q /
+                  2 kv heads, head_dim 64, SwiGLU 4864, qkv bias, tied head, bf16 params & compute).
+  generate_b64, generate_b256
+                  ``mrl_jax.rollout.generate``: 128-token prompts (left-padded, varied lengths), 256 new
+                  tokens, multinomial T=1, no EOS stop. Reports: compile time, end-to-end tokens/s,
+                  prefill time (a max_new_tokens=1 call), decode-only step time
+                  (t_256 - t_1) / 255, and the HBM roofline fraction:
+                      bytes/step = param bytes + KV-cache bytes read per step (the whole preallocated
+                                   cache [L, B, Tp+N, kvh, hd] x {k, v}: static-shape attention reads
+                                   every slot, masked)
+                      ideal step = bytes/step / measured copy bandwidth
+                      roofline_fraction = ideal step / measured decode step
+                  (also with the KV bytes of the average *filled* length, i.e. what a length-aware
+                  kernel would read, and the f32 [B, V] logits bytes, which the roofline omits).
+  sampler_variants  B=256 decode step with top_p=0.95 (sort-free nucleus), top_k=50 + top_p=0.95,
+                  and the early-stop while_loop (eos set, never hit) vs the fixed-trip loop.
+  update_step_mfu HOOK for the lead: fill in :func:`update_step_mfu` (GRPO update-step MFU); it gets
+                  the shared context (model, graphdef, params, flop/byte helpers, peak numbers).
+
+Extending: write ``def my_section(ctx: Context) -> dict`` and add it to ``SECTIONS`` (or call
+``register_section``). ``ctx`` holds args, the model once built, and results of earlier sections.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+# Peak numbers used for fractions (H200 SXM datasheet; dense bf16, no sparsity).
+H200_PEAK_BF16_FLOPS = 989.4e12
+H200_PEAK_HBM_BYTES_PER_S = 4.8e12
+
+QWEN25_05B = dict(
+    vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+    intermediate_size=4864, tie_word_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0,
+    norm_eps=1e-6, param_dtype="bfloat16", dtype="bfloat16",
+)
+TINY = dict(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, tie_word_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0,
+    norm_eps=1e-6, param_dtype="bfloat16", dtype="bfloat16",
+)
+
+
+@dataclasses.dataclass
+class Context:
+    args: argparse.Namespace
+    out_path: str
+    t_start: float
+    results: dict
+    model: Any = None
+    graphdef: Any = None
+    params: Any = None
+    shape: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def tiny(self) -> bool:
+        return bool(self.args.tiny)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def left(self) -> float:
+        return self.args.budget_s - self.elapsed()
+
+
+# ------------------------------------------------------------------------------------------------ utils
+def _block(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+def timeit(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> dict:
+    """Median wall time of ``fn`` (which must block), after ``warmup`` calls; first call timed too."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"first_s": first, "median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+def tree_bytes(tree) -> int:
+    import jax
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def _write(ctx: Context) -> None:
+    tmp = ctx.out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(ctx.results, f, indent=2, default=str)
+    os.replace(tmp, ctx.out_path)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def section_env(ctx: Context) -> dict:
+    import flax
+    import jax
+
+    info = {"jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "tiny": ctx.tiny}
+    for mod in ("transformers", "torch", "optax"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # pragma: no cover
+            info[mod] = f"unavailable: {e}"
+    try:
+        info["memory_stats"] = {k: v for k, v in (jax.devices()[0].memory_stats() or {}).items()
+                                if k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use")}
+    except Exception:
+        pass
+    return info
+
+
+def section_copy_bandwidth(ctx: Context) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    nbytes = (64 << 20) if ctx.tiny else (4 << 30)
+    n = nbytes // 2
+    x = _block(jnp.ones((n,), jnp.bfloat16))
+    f = jax.jit(lambda a: a * 2)
+    res = {}
+    t = timeit(lambda: _block(f(x)), repeats=10, warmup=2)
+    moved = 2 * nbytes  # read + write
+    res["buffer_bytes"] = nbytes
+    res["copy_bytes_per_s"] = moved / t["median_s"]
+    res["copy_bytes_per_s_best"] = moved / t["min_s"]
+    res["fraction_of_datasheet"] = res["copy_bytes_per_s"] / H200_PEAK_HBM_BYTES_PER_S
+    ctx.shape["copy_bw"] = res["copy_bytes_per_s"]
+    del x
+    return res
+
+
+def build_model(ctx: Context):
+    import jax
+    from flax import nnx
+
+    from mrl_jax import models
+
+    shape = TINY if ctx.tiny else QWEN25_05B
+    kw = dict(shape)
+    vocab = kw.pop("vocab_size")
+    t0 = time.perf_counter()
+    model = models.tiny_model("qwen2", vocab, seed=0, **kw)
+    graphdef, params = nnx.split(model)
+    params = _block(params)
+    ctx.model, ctx.graphdef, ctx.params = model, graphdef, params
+    ctx.shape.update(model=shape)
+    return {
+        "shape": shape,
+        "param_count": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
+        "param_bytes": tree_bytes(params),
+        "build_s": time.perf_counter() - t0,
+    }
+
+
+def section_model(ctx: Context) -> dict:
+    return build_model(ctx)
+
+
+def _prompts(b: int, tp: int, vocab: int, seed: int = 0):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(tp // 2, tp + 1, size=b)
+    lens[0] = tp
+    ids = np.zeros((b, tp), np.int32)
+    mask = np.zeros((b, tp), bool)
+    for i, n in enumerate(lens):
+        ids[i, tp - n:] = rng.integers(3, vocab, size=n)
+        mask[i, tp - n:] = True
+    return jnp.asarray(ids), jnp.asarray(mask), float(lens.mean())
+
+
+def kv_cache_bytes(shape: dict, b: int, s: int) -> int:
+    import jax.numpy as jnp
+    item = jnp.dtype(shape["dtype"]).itemsize
+    return 2 * shape["num_layers"] * b * s * shape["num_kv_heads"] * shape["head_dim"] * item
+
+
+def measure_generation(ctx: Context, b: int, tp: int, n: int, config_kw: dict | None = None,
+                       repeats: int = 3, with_prefill: bool = True) -> dict:
+    import jax
+
+    from mrl_jax.rollout import SamplingConfig, generate
+
+    if ctx.params is None:
+        build_model(ctx)
+    shape = ctx.shape["model"]
+    ids, mask, mean_len = _prompts(b, tp, shape["vocab_size"])
+    cfg = SamplingConfig(max_new_tokens=n, **({"temperature": 1.0, "eos_id": None, "pad_id": 0} | (config_kw or {})))
+    key = [jax.random.key(1)]
+
+    def call(c):
+        def f():
+            key[0], k = jax.random.split(key[0])
+            return _block(generate(ctx.graphdef, ctx.params, ids, mask, k, c))
+        return f
+
+    full = timeit(call(cfg), repeats=repeats)
+    res = {"batch": b, "prompt_len": tp, "new_tokens": n, "sampling": dataclasses.asdict(cfg),
+           "compile_plus_first_s": full["first_s"], "total_s": full["median_s"],
+           "tokens_per_s": b * n / full["median_s"]}
+    if with_prefill:
+        pre = timeit(call(dataclasses.replace(cfg, max_new_tokens=1)), repeats=repeats)
+        step = max((full["median_s"] - pre["median_s"]) / (n - 1), 1e-9)
+        s = tp + n
+        pbytes = tree_bytes(ctx.params)
+        kv_full = kv_cache_bytes(shape, b, s)
+        kv_filled = kv_cache_bytes(shape, b, 1) * (mean_len + n / 2)
+        bw = ctx.shape.get("copy_bw") or H200_PEAK_HBM_BYTES_PER_S
+        ideal = (pbytes + kv_full) / bw
+        res.update({
+            "prefill_s": pre["median_s"],
+            "decode_step_s": step,
+            "decode_tokens_per_s": b / step,
+            "bytes_per_step": pbytes + kv_full,
+            "param_bytes": pbytes,
+            "kv_cache_bytes_full": kv_full,
+            "kv_cache_bytes_avg_filled": kv_filled,
+            "logits_bytes_per_step_f32": b * shape["vocab_size"] * 4,
+            "copy_bw_bytes_per_s": bw,
+            "ideal_step_s": ideal,
+            "roofline_fraction": ideal / step,
+            "roofline_fraction_filled_kv": (pbytes + kv_filled) / bw / step,
+            "roofline_fraction_end_to_end": ideal * (n - 1) / full["median_s"],
+        })
+    return res
+
+
+def _gen_shapes(ctx: Context):
+    return (16, 16) if ctx.tiny else (128, 256)
+
+
+def section_generate_b64(ctx: Context) -> dict:
+    tp, n = _gen_shapes(ctx)
+    return measure_generation(ctx, 4 if ctx.tiny else 64, tp, n)
+
+
+def section_generate_b256(ctx: Context) -> dict:
+    tp, n = _gen_shapes(ctx)
+    return measure_generation(ctx, 8 if ctx.tiny else 256, tp, n)
+
+
+def section_sampler_variants(ctx: Context) -> dict:
+    tp, n = _gen_shapes(ctx)
+    b = 8 if ctx.tiny else 256
+    n = min(n, 64)  # enough steps to see the per-step cost; compiles dominate otherwise
+    base = measure_generation(ctx, b, tp, n, repeats=2, with_prefill=False)
+    out = {"baseline_T1": base}
+    variants = {
+        "top_p_0.95": {"top_p": 0.95},
+        "top_k_50_top_p_0.95": {"top_k": 50, "top_p": 0.95},
+        "greedy": {"greedy": True},
+        "eos_while_loop": {"eos_id": 0, "stop_early": True},  # random model: EOS ~never hit
+    }
+    for name, kw in variants.items():
+        if ctx.left() < 25:
+            out[name] = {"skipped": "time budget"}
+            continue
+        try:
+            r = measure_generation(ctx, b, tp, n, kw, repeats=2, with_prefill=False)
+            r["slowdown_vs_baseline"] = r["total_s"] / base["total_s"]
+            out[name] = r
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    return out
+
+
+def update_step_mfu(ctx: Context) -> dict:
+    """HOOK (lead): measure the GRPO update step's MFU here.
+
+    Available: ``ctx.model`` / ``ctx.graphdef`` / ``ctx.params`` (the bf16 Qwen2.5-0.5B-shaped model,
+    or the tiny one with --tiny), ``ctx.shape["model"]`` (its dims), ``ctx.shape["copy_bw"]``,
+    ``timeit(fn)``, ``tree_bytes(tree)``, ``H200_PEAK_BF16_FLOPS``, ``ctx.left()`` (seconds of budget
+    left). Suggested: FLOPs per update = 6 * n_params_non_embedding * tokens + attention
+    (12 * L * T^2 * H * hd per sequence, / 2 causal) + 2 * hidden * vocab * tokens * 3 for the head;
+    MFU = FLOPs / (median step time * peak). Return a dict of numbers.
+    """
+    return {"status": "not implemented (hook for the update-step MFU measurement)"}
+
+
+def section_update_step_mfu(ctx: Context) -> dict:
+    return update_step_mfu(ctx)
+
+
+SECTIONS: list[tuple[str, Callable[[Context], dict], float]] = [
+    # (name, fn, seconds of budget it needs to be started)
+    ("env", section_env, 0),
+    ("copy_bandwidth", section_copy_bandwidth, 10),
+    ("model", section_model, 20),
+    ("generate_b64", section_generate_b64, 40),
+    ("generate_b256", section_generate_b256, 40),
+    ("update_step_mfu", section_update_step_mfu, 20),
+    ("sampler_variants", section_sampler_variants, 40),
+]
+
+
+def register_section(name: str, fn: Callable[[Context], dict], min_budget_s: float = 20,
+                     before: str | None = None) -> None:
+    """Add a section (before the named one, else at the end)."""
+    entry = (name, fn, min_budget_s)
+    if before is not None:
+        idx = [n for n, _, _ in SECTIONS].index(before)
+        SECTIONS.insert(idx, entry)
+    else:
+        SECTIONS.append(entry)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
+    p.add_argument("--sections", default=None, help="comma-separated subset of: "
+                   + ",".join(n for n, _, _ in SECTIONS))
+    p.add_argument("--budget-s", type=float, default=280.0, help="stop starting sections after this")
+    args = p.parse_args(argv)
+
+    out = args.out or os.path.join(os.environ.get("OUT") or ".", "gpu_check.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    ctx = Context(args=args, out_path=out, t_start=time.perf_counter(), results={"sections": {}})
+    wanted = set(args.sections.split(",")) if args.sections else None
+    for name, fn, need in SECTIONS:
+        if wanted is not None and name not in wanted:
+            continue
+        if ctx.left() < need:
+            ctx.results["sections"][name] = {"skipped": f"time budget ({ctx.elapsed():.0f}s elapsed)"}
+            _write(ctx)
+            continue
+        t0 = time.perf_counter()
+        try:
+            r = fn(ctx)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        r["section_s"] = time.perf_counter() - t0
+        ctx.results["sections"][name] = r
+        ctx.results["elapsed_s"] = ctx.elapsed()
+        _write(ctx)
+        print(f"[gpu_check] {name}: {r.get('error', 'ok')} ({r['section_s']:.1f}s)", flush=True)
+    print(json.dumps(ctx.results, indent=2, default=str))
+    print(f"[gpu_check] wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Contextual-bandit analysis of the sharing probes (see experiments/bandit/README.md)."""

@@ -1,0 +1,373 @@
+"""The per-policy learner: ONE jitted pure GRPO update step with probes, micro-batching and a NaN guard.
+
+    optimizer = make_optimizer(1e-5, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=10, total_steps=500)
+    update = make_update_step(graphdef, optimizer, make_probe("xgrpo+sgt"), GRPOConfig(), micro_batch_size=16)
+    params, opt_state, metrics = update(params, opt_state, batch, see_view, key)
+
+``batch`` (``Batch``) holds the policy's own P x G rollouts; ``see_view`` (``mrl_jax.see.SeeView``) the
+peer slots and group stats that SEE gives this consumer for the same P prompts. Inside the step:
+
+1. rows = own rows (P*G, prompt-major) ++ the view's P*K peer slots (only when the probe chain
+   ``needs_peers``), laid out as ``mrl_jax.probes.Rows`` — the one layout every probe shares;
+2. peer rows' ``old_logp`` = the current policy's log-probs (no-grad pre-pass) when a probe needs them
+   (PRP weights, compatibility gate): peer rows are scored against pi_theta at update time;
+3. ``probe.extend`` activates rows; advantages = GRPO group advantages of own rows (``scale_rewards``),
+   then ``probe.advantages``;
+4. denominators of every loss term from the full rows (they never depend on log-probs); a ``lax.scan``
+   over micro-batches accumulates the gradient of ``pg_sum / pg_den + sum_k term_sum_k / term_den_k``,
+   so the accumulated gradient equals the full-batch one exactly;
+5. optax update; a non-finite loss or gradient leaves params/opt_state unchanged (metrics["skipped"]=1).
+
+Log-probs: ``model.hidden`` on [prompt ++ completion], then ``grpo.chunked_token_stats`` with
+``model.head(h) / temperature`` over the completion positions (never the full float32 [B, T, V]).
+num_iterations mu > 1: call ``update`` mu times on the same batch; own rows keep ``batch.old_logp`` as
+pi_old (clipping active); peer rows are re-scored each call. The KL term (beta > 0) covers own rows
+only (peer rows have no reference log-probs: their k3 term is zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from mrl_jax import grpo
+from mrl_jax.configs import check, field
+from mrl_jax.probes import OWN, Probe, Rows, chunk_gather, chunk_sums, make_probe
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO loss options, named as TRL's GRPOConfig."""
+
+    num_generations: int = field(8, help="G: completions sampled per prompt (group size)")
+    max_completion_length: int = field(64, help="completion length limit; dr_grpo divides by it")
+    epsilon: float = field(0.2, help="lower clip range: ratio clipped below at 1 - epsilon")
+    epsilon_high: Optional[float] = field(None, help="upper clip range (DAPO clip-higher); None = epsilon")
+    beta: float = field(0.0, help="k3 KL coefficient to the frozen reference; 0 = no reference needed")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
+        "grpo", help="aggregation: grpo = per-sequence mean then mean over sequences; dapo/bnpo = global "
+                     "token mean; dr_grpo = token sum / (num_rows * max_completion_length)")
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        "token", help="token ratios, or GSPO sequence ratio exp(mean token log-ratio)")
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        "group", help="advantage std scaling: group std, batch std, or none (Dr. GRPO)")
+    mask_truncated_completions: bool = field(False, help="exclude completions that hit the length limit")
+    num_iterations: int = field(1, help="mu: updates per generated batch (pi_old fixed from the batch)")
+    temperature: float = field(1.0, help="logits are divided by this before log-softmax (match sampling)")
+    reward_eps: float = field(1e-4, help="eps in A = (r - mean) / (std + eps)")
+    logprob_chunk_size: int = field(128, help="sequence chunk of the chunked log-softmax (memory bound)")
+
+    def __post_init__(self):
+        check(self.num_generations >= 1, "num_generations", f"must be >= 1, got {self.num_generations}")
+        check(self.max_completion_length >= 1, "max_completion_length",
+              f"must be >= 1, got {self.max_completion_length}")
+        check(0.0 <= self.epsilon < 1.0, "epsilon", f"must be in [0, 1), got {self.epsilon}")
+        check(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high",
+              f"must be >= 0 or None, got {self.epsilon_high}")
+        check(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}")
+        check(self.loss_type in grpo.LOSS_TYPES, "loss_type", f"must be one of {grpo.LOSS_TYPES}, got {self.loss_type!r}")
+        check(self.importance_sampling_level in grpo.IS_LEVELS, "importance_sampling_level",
+              f"must be one of {grpo.IS_LEVELS}, got {self.importance_sampling_level!r}")
+        check(self.scale_rewards in grpo.SCALES, "scale_rewards",
+              f"must be one of {grpo.SCALES}, got {self.scale_rewards!r}")
+        check(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(self.reward_eps > 0, "reward_eps", f"must be > 0, got {self.reward_eps}")
+        check(self.logprob_chunk_size >= 1, "logprob_chunk_size", f"must be >= 1, got {self.logprob_chunk_size}")
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def make_optimizer(lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 0,
+                   total_steps: Optional[int] = None, schedule: str = "constant", b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """AdamW (decoupled weight decay) after clip_by_global_norm (0 = no clipping), with linear warm-up then
+    a constant / cosine (to 0) / linear (to 0) schedule over total_steps."""
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"schedule must be constant|cosine|linear, got {schedule!r}")
+    if schedule != "constant" and (total_steps is None or total_steps <= warmup_steps):
+        raise ValueError(f"schedule {schedule!r} needs total_steps > warmup_steps, got {total_steps}")
+    w = max(int(warmup_steps), 0)
+    if schedule == "constant":
+        decay = optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        decay = optax.cosine_decay_schedule(lr, total_steps - w)
+    else:
+        decay = optax.linear_schedule(lr, 0.0, total_steps - w)
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w > 0 else decay
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+@struct.dataclass
+class Batch:
+    """A policy's own rollouts for one update, filled by the trainer. P prompts x G samples, prompt-major.
+
+    prompt_ids int32[P, Tp] (LEFT-padded), prompt_mask bool[P, Tp];
+    completion_ids int32[P*G, Tc] (right-padded), completion_mask f32[P*G, Tc] (1 up to and incl. EOS);
+    old_logp f32[P*G, Tc] (pi_old; the behaviour log-probs, fixed over num_iterations);
+    ref_logp f32[P*G, Tc] (frozen reference log-probs; zeros when beta = 0);
+    rewards f32[P*G]; truncated bool[P*G] (hit max_completion_length without EOS).
+    """
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    completion_ids: jax.Array
+    completion_mask: jax.Array
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    rewards: jax.Array
+    truncated: jax.Array
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def num_generations(self) -> int:
+        return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
+
+
+
+
+def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool = False,
+                  consumer: Union[int, jax.Array] = 0) -> Rows:
+    """Own rows from ``batch`` followed by the view's peer slots (inactive). view None -> own rows only.
+
+    Own rows: pg_row 1, pg_mask = completion_mask (zeroed on truncated rows when
+    mask_truncated_completions), pg_weight 1, advantages 0 (set by the learner).
+    """
+    P, G = batch.num_prompts, batch.num_generations
+    n = P * G
+    Tc = batch.completion_ids.shape[1]
+    slot = jnp.repeat(jnp.arange(P, dtype=jnp.int32), G)
+    cm = batch.completion_mask.astype(jnp.float32)
+    pgm = grpo.truncation_mask(cm, batch.truncated) if mask_truncated_completions else cm
+    C = 1 if view is None else view.src_chunk_logp.shape[1]
+    cons = jnp.asarray(consumer if view is None else view.consumer, jnp.int32)
+    own = dict(
+        prompt_ids=batch.prompt_ids[slot], prompt_mask=batch.prompt_mask[slot].astype(bool),
+        completion_ids=batch.completion_ids.astype(jnp.int32), completion_mask=cm,
+        old_logp=batch.old_logp.astype(jnp.float32), ref_logp=batch.ref_logp.astype(jnp.float32),
+        rewards=batch.rewards.astype(jnp.float32), truncated=batch.truncated.astype(bool),
+        row_kind=jnp.full((n,), OWN, jnp.int32), prompt_slot=slot, source=jnp.full((n,), cons, jnp.int32),
+        dst_chunk=jnp.full((n, Tc), -1, jnp.int32), src_chunk_logp=jnp.zeros((n, C), jnp.float32),
+        chunk_valid=jnp.zeros((n, C), bool), pg_row=jnp.ones((n,), jnp.float32), pg_mask=pgm,
+        pg_weight=jnp.ones((n, Tc), jnp.float32), shaping=jnp.zeros((n,), bool),
+        sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32))
+    if view is not None:
+        S = view.ids.shape[0]
+        if view.ids.shape[1] != Tc:
+            raise ValueError(f"view completion length {view.ids.shape[1]} != batch completion length {Tc}")
+        ps = view.prompt_slot.astype(jnp.int32)
+        vm = view.mask.astype(jnp.float32)
+        peer = dict(
+            prompt_ids=batch.prompt_ids[ps], prompt_mask=batch.prompt_mask[ps].astype(bool),
+            completion_ids=view.ids.astype(jnp.int32), completion_mask=vm,
+            old_logp=jnp.zeros((S, Tc), jnp.float32), ref_logp=jnp.zeros((S, Tc), jnp.float32),
+            rewards=view.rewards.astype(jnp.float32), truncated=view.truncated.astype(bool),
+            row_kind=view.kind.astype(jnp.int32), prompt_slot=ps, source=view.source.astype(jnp.int32),
+            dst_chunk=view.dst_chunk.astype(jnp.int32), src_chunk_logp=view.src_chunk_logp.astype(jnp.float32),
+            chunk_valid=view.chunk_valid.astype(bool), pg_row=jnp.zeros((S,), jnp.float32),
+            pg_mask=jnp.zeros((S, Tc), jnp.float32), pg_weight=jnp.zeros((S, Tc), jnp.float32),
+            shaping=jnp.zeros((S,), bool), sft_weight=jnp.zeros((S,), jnp.float32),
+            advantages=jnp.zeros((S,), jnp.float32))
+        own = {k: jnp.concatenate([own[k], peer[k]], axis=0) for k in own}
+    return Rows(**own, consumer=cons, metrics={}, num_prompts=P, num_generations=G)
+
+
+# ----------------------------------------------------------------------------- log-probs and loss
+
+def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0,
+              chunk_size: int = 128):
+    """(logp, entropy) f32[B, Tc] of the completion tokens under ``model`` (contract: .hidden/.head)."""
+    Tp = prompt_ids.shape[1]
+    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask > 0], axis=1)
+    h = model.hidden(ids, attention_mask=mask)
+    hc = h[:, Tp - 1: ids.shape[1] - 1]
+    head = (lambda x: model.head(x)) if temperature == 1.0 else (lambda x: model.head(x) / temperature)
+    return grpo.chunked_token_stats(hc, head, completion_ids.astype(jnp.int32), chunk_size)
+
+
+def pg_term(logp, rows: Rows, cfg: GRPOConfig, shaping: bool = False):
+    """The GRPO policy-gradient term over the rows' PG tokens: (sum, denominator, metrics)."""
+    ref = None
+    if cfg.beta != 0.0:
+        ref = jnp.where((rows.row_kind == OWN)[:, None], rows.ref_logp, jax.lax.stop_gradient(logp))
+    kw = {}
+    if shaping:
+        C = rows.src_chunk_logp.shape[1]
+        cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
+        kw = dict(shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
+                  shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk))
+    return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=cfg.epsilon,
+                            epsilon_high=cfg.epsilon_high, importance_sampling_level=cfg.importance_sampling_level,
+                            beta=cfg.beta, ref_logp=ref, loss_type=cfg.loss_type,
+                            max_completion_length=cfg.max_completion_length, weights=rows.pg_weight,
+                            row_valid=rows.pg_row, **kw)
+
+
+def _split(rows: Rows, mb: int):
+    """Per-row fields reshaped to [n_mb, mb, ...], padding with inactive rows."""
+    R = rows.rewards.shape[0]
+    n = -(-R // mb)
+    pad = n * mb - R
+    out = {}
+    for f in Rows.PER_ROW:
+        a = getattr(rows, f)
+        if pad:
+            fill = -1 if f in ("row_kind", "dst_chunk") else 0
+            a = jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)], 0)
+        out[f] = a.reshape((n, mb) + a.shape[1:])
+    return out
+
+
+def _mb_rows(fields: dict, rows: Rows) -> Rows:
+    return rows.replace(**fields, metrics={})
+
+
+def _tree_where(c, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
+
+
+def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0,
+                 *, jit: bool = False):
+    """``grads(params, batch, see_view, key) -> (loss, grads, metrics)``: steps 1-4 of the update (see the
+    module docstring), without the optimizer. metrics are reduced means (plus the figures of the batch)."""
+    cfg = GRPOConfig() if grpo_config is None else grpo_config
+    probe = make_probe(probe if probe is not None else "none")
+    if micro_batch_size < 0:
+        raise ValueError(f"micro_batch_size must be >= 0, got {micro_batch_size}")
+    shaping = probe.uses_shaping
+
+    def forward(params, r: Rows):
+        model = nnx.merge(graphdef, params)
+        return rows_logp(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                         temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+
+    def grads_fn(params, batch: Batch, see_view, key):
+        P, G = batch.num_prompts, batch.num_generations
+        if G != cfg.num_generations:
+            raise ValueError(f"batch has {G} generations per prompt, GRPOConfig.num_generations="
+                             f"{cfg.num_generations}")
+        n_own = P * G
+        rows = assemble_rows(batch, see_view if probe.needs_peers else None,
+                             mask_truncated_completions=cfg.mask_truncated_completions,
+                             consumer=see_view.consumer)
+        R = rows.rewards.shape[0]
+        mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
+        if probe.needs_peers and probe.needs_peer_logp and R > n_own:
+            peer = rows.replace(**{f: getattr(rows, f)[n_own:] for f in Rows.PER_ROW}, metrics={})
+            pf = _split(peer, min(mb, R - n_own))
+            lp = jax.lax.map(lambda f: forward(params, _mb_rows(f, peer))[0], pf)
+            lp = jax.lax.stop_gradient(lp.reshape((-1,) + lp.shape[2:])[: R - n_own])
+            rows = rows.replace(old_logp=rows.old_logp.at[n_own:].set(lp))
+        rows = probe.extend(rows, see_view, key)
+        own_r = batch.rewards.astype(jnp.float32).reshape(P, G)
+        adv0 = grpo.group_advantages(own_r, cfg.scale_rewards, cfg.reward_eps).reshape(-1)
+        adv = jnp.concatenate([adv0, jnp.zeros((R - n_own,), jnp.float32)])
+        adv = probe.advantages(rows.rewards, rows, see_view, adv)
+        probe_metrics = rows.metrics
+        rows = rows.replace(advantages=adv, metrics={})
+        # denominators from the full rows (independent of logp by contract)
+        _, pg_den, _ = pg_term(rows.old_logp, rows, cfg, shaping)
+        _, t_den, _ = probe.loss_terms(rows.old_logp, rows)
+        pg_den = jax.lax.stop_gradient(jnp.maximum(pg_den, 1e-30))
+        t_den = jax.lax.stop_gradient(jnp.maximum(t_den, 1e-30))
+
+        def loss_fn(p, r: Rows):
+            logp, ent = forward(p, r)
+            s, _, m = pg_term(logp, r, cfg, shaping)
+            ts, _, tm = probe.loss_terms(logp, r)
+            loss = s / pg_den + jnp.sum(ts / t_den)
+            em = r.completion_mask * (r.row_kind == OWN)[:, None]
+            m = grpo.merge_metrics(m, tm)
+            m["entropy"] = (jnp.sum(jax.lax.stop_gradient(ent) * em), jnp.sum(em))
+            m["pg_loss"] = (jax.lax.stop_gradient(s / pg_den), jnp.float32(0.0))
+            return loss, m
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        fields = _split(rows, mb)
+        first = _mb_rows(jax.tree.map(lambda a: a[0], fields), rows)
+        m_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
+        zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
+
+        def body(carry, f):
+            g_acc, l_acc, m_acc = carry
+            (loss, m), g = grad_fn(params, _mb_rows(f, rows))
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss, jax.tree.map(jnp.add, m_acc, m)), None
+
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), zeros_m)
+        (grads, loss, msum), _ = jax.lax.scan(body, init, fields)
+        pg_loss = msum.pop("pg_loss")[0]
+        metrics = grpo.reduce_metrics(grpo.merge_metrics(msum, probe_metrics))
+        own_row = (rows.row_kind == OWN).astype(jnp.float32)
+        std_g = jnp.std(own_r, axis=1)
+        metrics.update({
+            "loss": loss, "pg_loss": pg_loss, "reward_mean": jnp.mean(own_r), "reward_std": jnp.std(own_r),
+            "frac_reward_zero_std": jnp.mean((std_g < 1e-8).astype(jnp.float32)),
+            "adv_abs_mean": jnp.sum(jnp.abs(adv) * own_row) / n_own,
+            "num_tokens": jnp.sum(rows.pg_mask), "pg_rows": jnp.sum(rows.pg_row)})
+        metrics.setdefault("kl", jnp.float32(0.0))
+        return loss, grads, metrics
+
+    return jax.jit(grads_fn) if jit else grads_fn
+
+
+def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=None,
+                     grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0, *,
+                     donate: bool = True, jit: bool = True):
+    """Build ``update(params, opt_state, batch, see_view, key) -> (params, opt_state, metrics)``.
+
+    graphdef from ``nnx.split(model)``; probe: a ``Probe`` or spec string (``make_probe``);
+    micro_batch_size: rows per micro-batch (0 = all rows in one); rows are padded up to a multiple.
+    Params and opt_state are donated (donate=True): do not reuse the arrays passed in.
+    Metrics: loss, pg_loss, kl, entropy, clip_ratio/*, ratio_mean, grad_norm, skipped, reward_mean,
+    reward_std, frac_reward_zero_std, adv_abs_mean, num_tokens, pg_rows, plus the probes' figures
+    (prp/*, sgt/*, xgrpo/*).
+    """
+    grads_fn = make_grad_fn(graphdef, probe, grpo_config, micro_batch_size)
+
+    def update(params, opt_state, batch: Batch, see_view, key):
+        loss, grads, metrics = grads_fn(params, batch, see_view, key)
+        gnorm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        safe_g = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        updates, new_opt = optimizer.update(safe_g, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=gnorm, skipped=1.0 - finite.astype(jnp.float32))
+        return _tree_where(finite, new_params, params), _tree_where(finite, new_opt, opt_state), metrics
+
+    if not jit:
+        return update
+    return jax.jit(update, donate_argnums=(0, 1) if donate else ())
+
+
+def make_logp_fn(graphdef, grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0):
+    """Jitted ``logps(params, batch) -> f32[P*G, Tc]``: log-probs of the batch's completions (no grad), for
+    the trainer to fill ``ref_logp`` (reference params) or recompute ``old_logp``."""
+    cfg = GRPOConfig() if grpo_config is None else grpo_config
+
+    @jax.jit
+    def logps(params, batch: Batch):
+        rows = assemble_rows(batch)
+        R = rows.rewards.shape[0]
+        mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
+        f = _split(rows, mb)
+        model_fn = lambda x: rows_logp(nnx.merge(graphdef, params), x["prompt_ids"], x["prompt_mask"],
+                                       x["completion_ids"], x["completion_mask"], temperature=cfg.temperature,
+                                       chunk_size=cfg.logprob_chunk_size)[0]
+        lp = jax.lax.map(model_fn, f)
+        return lp.reshape((-1,) + lp.shape[2:])[:R]
+
+    return logps

@@ -1,0 +1,167 @@
+"""The run config of ``mrl train``: frozen dataclasses, loadable from YAML, every field documented.
+
+A run is a list of policies (each with its own model, tokenizer, prompt template, sampling, optimizer,
+GRPO options and probe chain), one task, and the run-wide settings (rounds, prompts per round, SEE,
+checkpoints, evaluation, reward isolation). ``mrl config-help`` prints every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from mrl_jax.configs import check, field
+from mrl_jax.learner import GRPOConfig
+
+MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where a policy's weights come from: a local Hugging Face directory, or a tiny random init."""
+
+    path: Optional[str] = field(None, help="local HF directory (config.json + *.safetensors); None = tiny random init")
+    family: Literal["llama", "qwen2", "mistral", "gpt2"] = field("llama", help="tiny-init architecture family")
+    hidden_size: int = field(64, help="tiny-init hidden size")
+    num_layers: int = field(2, help="tiny-init number of layers")
+    num_heads: int = field(4, help="tiny-init attention heads")
+    num_kv_heads: int = field(2, help="tiny-init key/value heads (llama family; gpt2 uses num_heads)")
+    dtype: Literal["float32", "bfloat16"] = field("float32", help="compute and parameter dtype")
+
+    def __post_init__(self):
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        check(self.hidden_size % self.num_heads == 0, "hidden_size",
+              f"{self.hidden_size} is not divisible by num_heads={self.num_heads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """A policy's tokenizer: a local tokenizer.json, or one trained on the task corpus."""
+
+    path: Optional[str] = field(None, help="dir or file of a tokenizer.json; None = the model path, else trained")
+    kind: Literal["byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char"] = field(
+        "byte_bpe", help="algorithm of the locally trained tokenizer")
+    vocab_size: int = field(256, help="vocabulary size of the locally trained tokenizer")
+
+    def __post_init__(self):
+        check(self.vocab_size >= 16, "vocab_size", f"must be >= 16, got {self.vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """Rollout sampling."""
+
+    max_new_tokens: int = field(16, help="completion length limit (tokens)")
+    temperature: float = field(1.0, help="softmax temperature (the learner scores with the same one)")
+    top_k: int = field(0, help="keep the k most likely tokens; 0 = off")
+    top_p: float = field(1.0, help="nucleus mass; 1.0 = off")
+
+    def __post_init__(self):
+        check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW with global-norm clipping and a schedule."""
+
+    learning_rate: float = field(1e-3, help="peak learning rate")
+    weight_decay: float = field(0.0, help="AdamW decoupled weight decay")
+    max_grad_norm: float = field(1.0, help="clip gradients to this global norm; 0 = off")
+    warmup_steps: int = field(0, help="linear warm-up steps")
+    schedule: Literal["constant", "cosine", "linear"] = field("constant", help="decay after warm-up")
+    micro_batch_size: int = field(0, help="rows per micro-batch (gradient accumulation); 0 = whole batch")
+
+    def __post_init__(self):
+        check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        check(self.micro_batch_size >= 0, "micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSpec:
+    """Optional supervised warm start on a part of the task before RL."""
+
+    steps: int = field(0, help="SFT steps; 0 = none")
+    part: Optional[str] = field(None, help="task part to learn (e.g. 'A'); None = all train prompts")
+    learning_rate: float = field(3e-3, help="SFT learning rate")
+    batch_size: int = field(64, help="SFT examples per step")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """One policy of the run."""
+
+    name: str = field(help="unique name used in logs and checkpoints")
+    model: ModelSpec = field(default_factory=ModelSpec, help="weights")
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec, help="tokenizer")
+    prompt_template: str = field("{prompt}", help="how this policy formats a prompt; must contain {prompt}")
+    sampling: SamplingSpec = field(default_factory=SamplingSpec, help="rollout sampling")
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec, help="optimizer")
+    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
+    probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'")
+    warm_start: WarmStartSpec = field(default_factory=WarmStartSpec, help="supervised warm start")
+
+    def __post_init__(self):
+        check("{prompt}" in self.prompt_template, "prompt_template",
+              f"must contain '{{prompt}}', got {self.prompt_template!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """The verifiable task."""
+
+    name: Literal["mixture", "arith", "reverse", "jsonl"] = field(
+        "mixture", help="mixture = add/rev/copy + a fact table split in parts A and B; arith = 2-digit addition; "
+                        "reverse = string reversal; jsonl = a local file")
+    path: Optional[str] = field(None, help="jsonl: local file of {prompt, answer} lines")
+    num_facts: int = field(32, help="mixture: fact table size")
+    seed: int = field(0, help="task generator seed")
+
+    def __post_init__(self):
+        check(self.name != "jsonl" or self.path is not None, "path", "task 'jsonl' needs a path to the .jsonl file")
+
+
+@dataclasses.dataclass(frozen=True)
+class SeeSpec:
+    """Shared Experience Exchange capacity and success threshold."""
+
+    capacity: int = field(4096, help="rollout records kept (ring)")
+    per_prompt_cap: int = field(32, help="records kept per prompt id")
+    success_threshold: float = field(1.0, help="reward >= this is a verified success (SGT's tau)")
+    peer_rollouts_per_prompt: int = field(8, help="peer rollout slots per prompt in a consumer's view (PRP)")
+    peer_successes_per_prompt: int = field(2, help="archived peer success slots per prompt (SGT)")
+    max_text_bytes: int = field(256, help="bytes of completion text stored per record")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """An MRL run."""
+
+    policies: list[PolicySpec] = field(help="the policies trained together")
+    task: TaskSpec = field(default_factory=TaskSpec, help="task")
+    seed: int = field(0, help="run seed (params init, sampling, prompt order)")
+    rounds: int = field(50, help="number of MRL rounds")
+    prompts_per_round: int = field(32, help="prompts per round")
+    num_generations: int = field(8, help="completions per prompt per policy (G)")
+    see: SeeSpec = field(default_factory=SeeSpec, help="shared experience")
+    checkpoint_every: int = field(10, help="rounds between checkpoints")
+    keep_checkpoints: int = field(2, help="complete checkpoints kept")
+    eval_every: int = field(0, help="rounds between held-out evaluations; 0 = only at the end")
+    eval_prompts: int = field(128, help="held-out prompts per evaluation")
+    reward_timeout_s: float = field(5.0, help="time limit of one reward call")
+    max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
+    max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
+
+    def __post_init__(self):
+        check(len(self.policies) >= 1, "policies", "needs at least one policy")
+        names = [p.name for p in self.policies]
+        check(len(set(names)) == len(names), "policies", f"names must be unique, got {names}")
+        for key in ("rounds", "prompts_per_round", "num_generations", "checkpoint_every", "keep_checkpoints"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        check(self.reward_timeout_s > 0, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")

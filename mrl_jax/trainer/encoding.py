@@ -1,0 +1,83 @@
+"""Host-side text <-> padded id arrays for one policy (numpy; no device work).
+
+Prompts are formatted with the policy's template and LEFT-padded (the sampler's layout); completions are
+RIGHT-padded, end with EOS when they ended, and are encoded as a *continuation* of the prompt (no
+SentencePiece dummy prefix), so a completion's ids spell exactly its text's bytes — the boundary THL
+relies on: only the completion text crosses policies, each consumer puts its own prompt ids in front.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from mrl_jax.rollout import bucket_length
+from mrl_jax.tokenization import Tokenizer
+
+PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def encode_prompts(tokenizer: Tokenizer, template: str, texts: Sequence[str], *, max_len: int | None = None,
+                   buckets: Sequence[int] = PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray, int]:
+    """Format, tokenize and LEFT-pad prompts -> ``(ids int32[P, Tp], mask bool[P, Tp], n_truncated)``.
+
+    A BOS is prepended when the tokenizer has one. Prompts longer than ``max_len`` keep their last
+    ``max_len`` tokens (counted in ``n_truncated``). ``Tp`` is bucketed to bound recompiles.
+    """
+    seqs = tokenizer.encode_batch([template.format(prompt=t) for t in texts])
+    if tokenizer.bos_id is not None:
+        seqs = [[tokenizer.bos_id] + s for s in seqs]
+    n_truncated = 0
+    if max_len is not None:
+        n_truncated = sum(len(s) > max_len for s in seqs)
+        seqs = [s[-max_len:] for s in seqs]
+    longest = max(1, max(len(s) for s in seqs))
+    width = bucket_length(longest, buckets)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    ids = np.full((len(seqs), width), pad, np.int32)
+    mask = np.zeros((len(seqs), width), bool)
+    for row, s in enumerate(seqs):
+        if s:
+            ids[row, width - len(s):] = s
+            mask[row, width - len(s):] = True
+    return ids, mask, n_truncated
+
+
+def encode_completions(tokenizer: Tokenizer, texts: Sequence[str], length: int, *,
+                       ended: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Completion texts -> ``(ids int32[B, length], mask f32[B, length], truncated bool[B])``, right-padded.
+
+    ``ended[b]`` (default True) appends EOS; a completion longer than ``length`` is cut and marked truncated.
+    Special-token spellings inside a text stay plain text (a peer's text never injects a control token).
+    """
+    seqs = tokenizer.encode_batch(list(texts), continuation=True, parse_special=False)
+    ended = [True] * len(seqs) if ended is None else list(ended)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    ids = np.full((len(seqs), length), pad, np.int32)
+    mask = np.zeros((len(seqs), length), np.float32)
+    truncated = np.zeros(len(seqs), bool)
+    for row, (s, e) in enumerate(zip(seqs, ended)):
+        if e and tokenizer.eos_id is not None:
+            s = s + [tokenizer.eos_id]
+        if len(s) > length:
+            s, truncated[row] = s[:length], True
+        ids[row, :len(s)] = s
+        mask[row, :len(s)] = 1.0
+    return ids, mask, truncated
+
+
+def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray) -> tuple[list[str], list[list[int]]]:
+    """Sampled ``tokens int32[B, N]`` with ``mask bool[B, N]`` -> (texts, content ids without EOS/pads).
+
+    The text is the exact bytes of the content tokens (``decode(continuation=True)``), so THL can align
+    the sampled ids against it.
+    """
+    texts, content = [], []
+    for row, m in zip(np.asarray(tokens), np.asarray(mask)):
+        ids = [int(t) for t in row[m.astype(bool)]]
+        if ids and tokenizer.eos_id is not None and ids[-1] == tokenizer.eos_id:
+            ids = ids[:-1]
+        content.append(ids)
+        texts.append(tokenizer.decode(ids, continuation=True))
+    return texts, content

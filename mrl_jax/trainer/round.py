@@ -1,0 +1,183 @@
+"""One MRL round as a function composing the layers (DESIGN.md, data flow):
+
+    rollout_i (dispatched for every policy before any is read) -> decode -> rewards (isolated)
+    -> SEE.add of every policy's experience -> per consumer: THL view of the peers' texts
+    -> update_i (dispatched for every policy) -> metrics
+
+``run_round(policies, state, prompts, ...) -> (state, metrics, samples)`` has no hidden state: the
+arrays come in through ``RunState`` and go out in a new one. Wall time is split per phase in
+``metrics[name]["time/<phase>"]``.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mrl_jax import see as see_lib
+from mrl_jax import thl
+from mrl_jax.learner import Batch
+from mrl_jax.rollout import generate
+from mrl_jax.tasks import Prompt
+from mrl_jax.trainer.encoding import decode_completions, encode_prompts
+from mrl_jax.trainer.policy import Policy, PolicyState
+
+
+@struct.dataclass
+class RunState:
+    """Everything a round changes: each policy's arrays and the shared experience buffer."""
+
+    policies: tuple
+    see: see_lib.SEE
+
+
+@struct.dataclass
+class ViewShape:
+    """Static layout of the peer slots (same for every probe, so every probe compiles the same shapes)."""
+
+    peer_rollouts: int = struct.field(pytree_node=False, default=8)
+    peer_successes: int = struct.field(pytree_node=False, default=2)
+
+
+_see_add = jax.jit(see_lib.add)
+
+
+class PhaseTimer:
+    """Wall time per phase of a round (seconds)."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list):
+    """``align_batch(texts, sources, src_ids)`` for ``see.build_view``: THL per source tokenizer."""
+
+    def align(texts, sources, src_ids):
+        n = len(texts)
+        out = {"dst_ids": [None] * n, "dst_chunk": [None] * n, "src_chunk": [None] * n,
+               "chunk_valid": [None] * n, "dst_len": np.zeros(n, np.int32)}
+        sources = np.asarray(sources)
+        for j in np.unique(sources):
+            rows = np.nonzero(sources == j)[0]
+            ba = thl.align_batch([texts[m] for m in rows], policies[int(j)].tokenizer, consumer.tokenizer,
+                                 [src_ids[m] for m in rows], max_chunks=max_chunks)
+            thl_metrics.append(ba.metrics)
+            for k, m in enumerate(rows):
+                out["dst_ids"][m], out["dst_chunk"][m] = ba.dst_ids[k], ba.dst_chunk[k]
+                out["src_chunk"][m], out["chunk_valid"][m] = ba.src_chunk[k], ba.chunk_valid[k]
+                out["dst_len"][m] = ba.dst_lengths[k]
+        return out
+
+    return align
+
+
+def _mean_metrics(dicts: list[dict], prefix: str) -> dict:
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in keys:
+        vals = [float(d[k]) for d in dicts if k in d and np.isscalar(d[k])]
+        if vals:
+            out[f"{prefix}{k}"] = float(np.mean(vals))
+    return out
+
+
+def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Prompt], dense_ids: np.ndarray, *,
+              scorer, key: jax.Array, round_index: int, num_generations: int, view_shape: ViewShape,
+              num_samples_logged: int = 2) -> tuple[RunState, dict, list]:
+    """Run one round for every policy on ``prompts`` (dense SEE prompt ids ``dense_ids int32[P]``)."""
+    G, P = num_generations, len(prompts)
+    timer = PhaseTimer()
+    texts = [p.text for p in prompts]
+    rep_prompts = [p for p in prompts for _ in range(G)]
+    keys = jax.random.split(key, 2 * len(policies))
+
+    with timer("rollout"):
+        launched = []
+        for pol, ps in zip(policies, state.policies):
+            ids, mask, _ = encode_prompts(pol.tokenizer, pol.spec.prompt_template, texts)
+            ids, mask = np.repeat(ids, G, axis=0), np.repeat(mask, G, axis=0)
+            out = generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), keys[pol.index],
+                           pol.sampling)
+            launched.append((ids, mask, out))
+        rollouts = [(ids, mask, jax.device_get(out)) for ids, mask, out in launched]
+
+    with timer("decode"):
+        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask)
+                   for pol, (_, _, out) in zip(policies, rollouts)]
+
+    with timer("rewards"):
+        scores = [scorer.score(rep_prompts, comp_texts) for comp_texts, _ in decoded]
+
+    with timer("see"):
+        see = state.see
+        see_info = []
+        max_bytes = see.rollouts.text.shape[1]
+        max_src = see.rollouts.src_ids.shape[1]
+        for pol, (_, _, out), (comp_texts, content), sc in zip(policies, rollouts, decoded, scores):
+            lps = [out.logprobs[b, :len(c)] for b, c in enumerate(content)]
+            exp = see_lib.make_experience(comp_texts, np.repeat(dense_ids, G), pol.index, sc.rewards,
+                                          src_ids=content, src_logp=lps, truncated=out.truncated,
+                                          round=round_index, max_bytes=max_bytes, max_src_tokens=max_src)
+            see, info = _see_add(see, exp)
+            see_info.append(info)
+
+    views, thl_metrics = [], [[] for _ in policies]
+    with timer("thl"):
+        for pol in policies:
+            Tc = pol.completion_length
+            stats = see_lib.peer_stats(see, pol.index, dense_ids)
+            if pol.probe.needs_peers:
+                view = see_lib.build_view(
+                    see, pol.index, dense_ids, _aligner(pol, policies, Tc, thl_metrics[pol.index]),
+                    k_rollouts=view_shape.peer_rollouts, k_successes=view_shape.peer_successes,
+                    max_completion_len=Tc, max_chunks=Tc, pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
+            else:
+                view = see_lib.empty_view(P, view_shape.peer_rollouts + view_shape.peer_successes, Tc, Tc,
+                                          len(policies), consumer=pol.index, tau=see.tau)
+                view = view.replace(peer_stats=jnp.asarray(stats))
+            views.append(view)
+
+    with timer("update"):
+        new_states, raw_metrics = [], []
+        for pol, ps, (ids, mask, out), sc, view in zip(policies, state.policies, rollouts, scores, views):
+            batch = Batch(prompt_ids=jnp.asarray(ids[::G]), prompt_mask=jnp.asarray(mask[::G]),
+                          completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
+                          old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
+                          rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
+            params, opt_state = ps.params, ps.opt_state
+            k_upd = keys[len(policies) + pol.index]
+            for it in range(pol.spec.grpo.num_iterations):
+                params, opt_state, m = pol.update(params, opt_state, batch, view, jax.random.fold_in(k_upd, it))
+            new_states.append(PolicyState(params=params, opt_state=opt_state))
+            raw_metrics.append(m)
+        raw_metrics = jax.device_get(raw_metrics)
+
+    metrics, samples = {}, []
+    for pol, (_, _, out), (comp_texts, _), sc, upd, info in zip(
+            policies, rollouts, decoded, scores, raw_metrics, see_info):
+        r = sc.rewards.reshape(P, G)
+        m = {k: float(np.asarray(v)) for k, v in upd.items() if np.ndim(v) == 0}
+        m.update({k: v for k, v in sc.stats.items() if np.isscalar(v)})
+        m.update({"reward/mean": float(r.mean()), "reward/success_rate": float((r >= see.tau).mean()),
+                  "completion/mean_length": float(np.asarray(out.lengths).mean()),
+                  "completion/truncated": float(np.asarray(out.truncated).mean())})
+        m.update({f"see/{k}": float(np.asarray(v)) for k, v in info.items()})
+        m.update(_mean_metrics(thl_metrics[pol.index], "thl/"))
+        m.update({f"time/{k}": v for k, v in timer.times.items()})
+        metrics[pol.name] = m
+        for p in range(min(num_samples_logged, P)):
+            samples.append({"policy": pol.name, "prompt": prompts[p].text, "answer": prompts[p].answer,
+                            "completion": comp_texts[p * G], "reward": float(sc.rewards[p * G])})
+    return RunState(policies=tuple(new_states), see=see), metrics, samples

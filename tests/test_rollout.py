@@ -1,0 +1,249 @@
+"""mrl_jax.rollout: KV-cache sampler against a no-cache full forward of the same tiny models."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mrl_jax import models
+from mrl_jax import rollout as ro
+from mrl_jax.rollout import SamplingConfig, bucket_length, generate, left_pad, nucleus_mask, sample_step
+
+VOCAB = 61
+N_NEW = 7
+PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7], [1, 40, 41]]
+
+
+def _make(family):
+    m = models.tiny_model(family, VOCAB, seed=3, hidden_size=32, intermediate_size=64)
+    g, p = nnx.split(m)
+    # random init (std 0.02) gives near-uniform logits; scale so distributions have some shape.
+    p = jax.tree_util.tree_map(lambda x: x * 3.0, p)
+    return g, p
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def fam(request):
+    g, p = _make(request.param)
+    ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
+    return request.param, g, p, jnp.asarray(ids), jnp.asarray(mask)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    g, p = _make("llama")
+    ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
+    return g, p, jnp.asarray(ids), jnp.asarray(mask)
+
+
+_full_fwd = jax.jit(lambda g, p, ids, mask: nnx.merge(g, p)(ids, attention_mask=mask), static_argnums=0)
+
+
+def _full_logits(g, p, ids, mask, out):
+    """f32[B, N, V]: full forward (no cache) logits predicting each generated token."""
+    seq = jnp.concatenate([ids, out.tokens], axis=1)
+    m = jnp.concatenate([mask, jnp.ones_like(out.mask)], axis=1)
+    tp = ids.shape[1]
+    return _full_fwd(g, p, seq, m)[:, tp - 1: tp - 1 + out.tokens.shape[1]]
+
+
+def _greedy(g, p, ids, mask, **kw):
+    cfg = SamplingConfig(max_new_tokens=N_NEW, greedy=True, pad_id=0, **kw)
+    return generate(g, p, ids, mask, jax.random.key(0), cfg)
+
+
+# ------------------------------------------------------------------------------------------ shapes
+def test_bucket_length():
+    assert bucket_length(1, (8, 16)) == 8
+    assert bucket_length(8, (8, 16)) == 8
+    assert bucket_length(9, (16, 8)) == 16
+    assert bucket_length(17, (8, 16)) == 32  # multiples of the largest beyond it
+    assert bucket_length(33, (8, 16)) == 48
+    with pytest.raises(ValueError):
+        bucket_length(-1)
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, buckets=(4, 8), batch_size=3)
+    np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 1]])
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []], pad_id=0)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="logprobs_of"):
+        SamplingConfig(max_new_tokens=4, logprobs_of="bogus")
+    c = SamplingConfig(max_new_tokens=4, eos_id=[2, 3])
+    assert c.eos_id == (2, 3) and hash(c) == hash(SamplingConfig(max_new_tokens=4, eos_id=(2, 3)))
+
+
+# ------------------------------------------------------------------------------------------ per-step sampling
+def test_nucleus_mask_matches_sorted_cumsum():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(32, 200)).astype(np.float32) * rng.uniform(0.5, 4, size=(32, 1)).astype(np.float32)
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+    f = jax.jit(nucleus_mask, static_argnums=1)
+    for top_p in (1e-6, 0.3, 0.9, 0.999):
+        got = np.asarray(f(jnp.asarray(probs), top_p))
+        order = np.argsort(-probs, axis=-1)
+        sp = np.take_along_axis(probs, order, -1)
+        keep_sorted = (np.cumsum(sp, -1) - sp) < top_p
+        keep_sorted[:, 0] = True
+        want = np.zeros_like(keep_sorted)
+        np.put_along_axis(want, order, keep_sorted, -1)
+        np.testing.assert_array_equal(got, want, err_msg=f"top_p={top_p}")
+
+
+def _freqs(cfg, logits, n=20000, key=0):
+    big = jnp.broadcast_to(jnp.asarray(logits), (n, logits.shape[-1]))
+    tok, lp = jax.jit(sample_step, static_argnums=2)(big, jax.random.key(key), cfg)
+    return np.bincount(np.asarray(tok), minlength=logits.shape[-1]) / n, np.asarray(tok), np.asarray(lp)
+
+
+def test_sample_step_distributions():
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.7], np.float32)
+    t = 0.8
+    base = np.exp(logits / t) / np.exp(logits / t).sum()
+    # temperature only: frequencies ~ softmax(logits / T); logprobs = tempered log-softmax
+    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t), logits)
+    np.testing.assert_allclose(fr, base, atol=0.015)
+    np.testing.assert_allclose(lp, np.log(base)[tok], rtol=1e-5)
+    # top-k=3 (sampling logprobs): renormalised top-3
+    top3 = np.argsort(-logits)[:3]
+    want = np.zeros_like(base)
+    want[top3] = base[top3] / base[top3].sum()
+    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_k=3, logprobs_of="sampling"), logits)
+    np.testing.assert_allclose(fr, want, atol=0.015)
+    np.testing.assert_allclose(lp, np.log(want[tok]), rtol=1e-5)
+    # top-p=0.75 (nucleus): tokens 0,1,2 (mass before token 2 = 0.70 < 0.75, before token 7 = 0.83)
+    order = np.argsort(-base)
+    keep = order[(np.cumsum(base[order]) - base[order]) < 0.75]
+    want = np.zeros_like(base)
+    want[keep] = base[keep] / base[keep].sum()
+    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.75, logprobs_of="sampling"), logits)
+    np.testing.assert_allclose(fr, want, atol=0.015)
+    np.testing.assert_allclose(lp, np.log(want[tok]), rtol=1e-5)
+    # default "tempered" logprobs ignore the filter; "raw" ignores the temperature too
+    _, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.7), logits, n=64)
+    np.testing.assert_allclose(lp, np.log(base)[tok], rtol=1e-5)
+    _, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.7, logprobs_of="raw"), logits, n=64)
+    raw = logits - np.log(np.exp(logits).sum())
+    np.testing.assert_allclose(lp, raw[tok], rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ against the full forward
+def test_kv_cache_decode_equals_full_forward(fam):
+    """Prefill + one-token decode steps (teacher forced) give the no-cache forward's logits, left padding."""
+    name, g, p, ids, mask = fam
+    b, tp = ids.shape
+    steps = 5
+    s = tp + steps
+    follow = jax.random.randint(jax.random.key(1), (b, steps), 3, VOCAB)
+    full = np.asarray(_full_fwd(g, p, jnp.concatenate([ids, follow], 1),
+                                jnp.concatenate([mask, jnp.ones((b, steps), bool)], 1)))
+
+    @jax.jit
+    def run(p):
+        model = nnx.merge(g, p)
+        cache = model.init_cache(b, s)
+        pos = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
+        kvm = jnp.concatenate([mask, jnp.zeros((b, steps), bool)], 1)
+        lg, cache = model.decode(ids, pos, cache, 0, kvm)
+        outs = [lg[:, -1]]
+        for i in range(steps - 1):
+            kvm = kvm.at[:, tp + i].set(True)
+            lg, cache = model.decode(follow[:, i:i + 1], pos[:, -1:] + 1 + i, cache, tp + i, kvm)
+            outs.append(lg[:, 0])
+        return jnp.stack(outs, 1)
+
+    got = run(p)
+    want = full[:, tp - 1: tp - 1 + steps]
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4, err_msg=name)
+
+
+def test_greedy_equals_full_forward_argmax(fam):
+    name, g, p, ids, mask = fam
+    out = _greedy(g, p, ids, mask)
+    full = _full_logits(g, p, ids, mask, out)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(jnp.argmax(full, -1)), err_msg=name)
+    assert bool(out.mask.all()) and bool(out.truncated.all())
+    np.testing.assert_array_equal(np.asarray(out.lengths), N_NEW)
+    # greedy logprobs: temperature-1 log-softmax of the recomputed forward
+    lp = jnp.take_along_axis(jax.nn.log_softmax(full, -1), out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)
+
+
+@pytest.mark.parametrize("logprobs_of", ["tempered", "raw"])
+def test_logprobs_equal_recomputed_forward(llama, logprobs_of):
+    g, p, ids, mask = llama
+    t = 0.7
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=t, pad_id=0, logprobs_of=logprobs_of)
+    out = generate(g, p, ids, mask, jax.random.key(7), cfg)
+    full = _full_logits(g, p, ids, mask, out)
+    scaled = full / t if logprobs_of == "tempered" else full
+    lp = jnp.take_along_axis(jax.nn.log_softmax(scaled, -1), out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)
+
+
+def test_sampling_logprobs_with_top_k(llama):
+    g, p, ids, mask = llama
+    t, k = 0.9, 5
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=t, top_k=k, pad_id=0, logprobs_of="sampling")
+    out = generate(g, p, ids, mask, jax.random.key(3), cfg)
+    full = np.asarray(_full_logits(g, p, ids, mask, out)) / t
+    tok = np.asarray(out.tokens)
+    kth = np.sort(full, -1)[..., -k][..., None]
+    filt = np.where(full >= kth, full, -np.inf)
+    lse = np.log(np.sum(np.exp(filt - filt.max(-1, keepdims=True)), -1)) + filt.max(-1)
+    want = np.take_along_axis(filt, tok[..., None], -1)[..., 0] - lse
+    assert np.isfinite(want).all(), "a sampled token fell outside the top-k"
+    np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-4)
+
+
+def test_eos_stops_and_masks(llama):
+    g, p, ids, mask = llama
+    free = np.asarray(_greedy(g, p, ids, mask).tokens)
+    eos = int(free[0, 2])
+    out = _greedy(g, p, ids, mask, eos_id=eos)
+    tok, m, lp = np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.logprobs)
+    for b in range(free.shape[0]):
+        hits = np.flatnonzero(free[b] == eos)
+        n = hits[0] + 1 if hits.size else N_NEW
+        assert out.lengths[b] == n and bool(out.truncated[b]) == (hits.size == 0)
+        np.testing.assert_array_equal(tok[b, :n], free[b, :n])  # identical up to and including EOS
+        assert m[b, :n].all() and not m[b, n:].any()
+        assert (tok[b, n:] == 0).all() and (lp[b, n:] == 0).all()
+    assert out.lengths[0] <= 3
+    fixed = _greedy(g, p, ids, mask, eos_id=eos, stop_early=False)  # fori_loop: same result
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(fixed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # every token is an EOS: all rows stop after one token (early exit of the while_loop)
+    out = _greedy(g, p, ids, mask, eos_id=tuple(range(VOCAB)))
+    np.testing.assert_array_equal(np.asarray(out.lengths), 1)
+    assert not bool(out.truncated.any()) and (np.asarray(out.tokens)[:, 1:] == 0).all()
+
+
+def test_top_k1_and_tiny_top_p_equal_greedy(llama):
+    g, p, ids, mask = llama
+    greedy = np.asarray(_greedy(g, p, ids, mask).tokens)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.3, pad_id=0, **kw)
+        out = generate(g, p, ids, mask, jax.random.key(11), cfg)
+        np.testing.assert_array_equal(np.asarray(out.tokens), greedy, err_msg=str(kw))
+
+
+def test_no_recompile_and_keys_differ(llama):
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, pad_id=0, eos_id=2)
+    a = generate(g, p, ids, mask, jax.random.key(100), cfg)
+    n = ro.trace_count()
+    b = generate(g, p, ids, mask, jax.random.key(101), cfg)
+    c = generate(g, jax.tree_util.tree_map(lambda x: x + 0, p), ids + 0, mask, jax.random.key(100), cfg)
+    assert ro.trace_count() == n, "same shapes and config must not retrace"
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens)), "different keys, same samples"
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(c.tokens))  # same key: reproducible
+    # steps use distinct keys: a row's tokens are not one repeated draw
+    assert len({tuple(r) for r in np.asarray(a.tokens).T.tolist()}) > 1
