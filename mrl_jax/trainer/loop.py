@@ -24,7 +24,7 @@ from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.metrics import RunLog
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
 from mrl_jax.trainer.round import RunState, ViewShape, run_round
-from mrl_jax.trainer.sft import warm_start
+from mrl_jax.trainer.sft import uniform_draw, warm_start
 
 
 class TrainingStopped(RuntimeError):
@@ -66,8 +66,8 @@ class Run:
             pol, st = build_policy(i, spec, tok, model, cfg)
             if warm and spec.warm_start.steps > 0:
                 ws = spec.warm_start
-                examples = self.task.sft_examples(ws.part) if hasattr(self.task, "sft_examples") else []
-                params, _ = warm_start(pol.graphdef, st.params, tok, spec.prompt_template, examples, steps=ws.steps,
+                params, _ = warm_start(pol.graphdef, st.params, tok, spec.prompt_template, self.sft_draw(ws.part),
+                                       steps=ws.steps,
                                        batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                        completion_length=spec.sampling.max_new_tokens, seed=cfg.seed * 1000 + i)
                 st = st.replace(params=params)
@@ -80,6 +80,12 @@ class Run:
         self.state = RunState(policies=tuple(states), see=see)
         self.view_shape = ViewShape(peer_rollouts=cfg.see.peer_rollouts_per_prompt,
                                     peer_successes=cfg.see.peer_successes_per_prompt)
+
+    def sft_draw(self, part: str | None):
+        """Warm-start batches: the mixture's weighted draw (a small fact table is not drowned), else uniform."""
+        if hasattr(self.task, "sample_sft"):
+            return lambda n, rng: self.task.sample_sft(n, rng, part=part)
+        return uniform_draw(self.task.sft_examples(part))
 
     def round_prompts(self, round_index: int):
         """The prompts of round ``r``: a function of (task seed, run seed, r) only."""

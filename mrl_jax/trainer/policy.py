@@ -40,6 +40,7 @@ class Policy:
     tokenizer: Tokenizer
     sampling: SamplingConfig
     probe: Probe
+    optimizer: Any  # optax.GradientTransformation
     update: Callable  # (params, opt_state, Batch, SeeView, key) -> (params, opt_state, metrics)
 
     @property
@@ -96,7 +97,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                               top_p=s.top_p, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, update=update)
+                    probe=probe, optimizer=optimizer, update=update)
     return policy, PolicyState(params=params, opt_state=optimizer.init(params))
 
 

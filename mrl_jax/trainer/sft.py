@@ -7,7 +7,7 @@ the warm-started policy emits the format the verifier reads.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +39,28 @@ def make_sft_step(graphdef, optimizer: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def warm_start(graphdef, params, tokenizer: Tokenizer, template: str, examples: Sequence[tuple[str, str]], *,
-               steps: int, batch_size: int, learning_rate: float, completion_length: int, seed: int):
-    """Run ``steps`` SFT steps on ``examples`` (drawn with replacement, seeded); returns (params, losses)."""
+Draw = Callable[[int, np.random.Generator], Sequence[tuple[str, str]]]
+
+
+def uniform_draw(examples: Sequence[tuple[str, str]]) -> Draw:
+    """Draw (prompt, answer) pairs uniformly with replacement from a fixed list."""
     if not examples:
         raise ValueError("warm start has no examples: check warm_start.part against the task's parts")
+    return lambda n, rng: [examples[i] for i in rng.integers(0, len(examples), size=n)]
+
+
+def warm_start(graphdef, params, tokenizer: Tokenizer, template: str, draw: Draw, *, steps: int, batch_size: int,
+               learning_rate: float, completion_length: int, seed: int):
+    """Run ``steps`` SFT steps on batches ``draw(batch_size, rng)`` (seeded); returns (params, losses)."""
     optimizer = optax.adamw(learning_rate)
     opt_state = optimizer.init(params)
     step = make_sft_step(graphdef, optimizer)
     rng = np.random.default_rng(seed)
     losses = []
     for _ in range(steps):
-        pick = rng.integers(0, len(examples), size=batch_size)
-        prompts = [examples[i][0] for i in pick]
-        answers = [examples[i][1] for i in pick]
+        pairs = draw(batch_size, rng)
+        prompts = [p for p, _ in pairs]
+        answers = [a for _, a in pairs]
         p_ids, p_mask, _ = encode_prompts(tokenizer, template, prompts)
         ids, mask, _ = encode_completions(tokenizer, answers, completion_length)
         params, opt_state, loss = step(params, opt_state, p_ids, p_mask, ids, mask)
