@@ -181,12 +181,13 @@ def _plot(summary: dict, names: list[str], path: Path) -> None:
 
 
 def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None = None,
-             probes: Sequence[str] | None = None) -> dict:
-    """Run the demo; writes summary.json, summary.md and curves.png in ``out_dir`` and returns the summary."""
+             probes: Sequence[str] | None = None, settings: DemoSettings | None = None) -> dict:
+    """Run the demo; writes summary.json, summary.md and curves.png in ``out_dir`` and returns the summary.
+    ``settings`` overrides the budget chosen by ``quick`` / ``num_seeds`` entirely."""
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    s = DemoSettings.make(quick, num_seeds)
+    s = settings or DemoSettings.make(quick, num_seeds)
     probes = list(probes or DEFAULT_PROBES)
     task = demo_task(s.num_facts)
     runs = {p: Run(demo_config(p, s), task=task, warm=False) for p in probes}

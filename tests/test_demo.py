@@ -1,0 +1,38 @@
+"""The embedded-default demo end to end on a tiny budget, and its honest verdict."""
+import json
+
+from mrl_jax.demo import DemoSettings, _verdict, run_demo
+
+
+def test_demo_tiny_budget_writes_every_artefact(tmp_path):
+    s = DemoSettings(seeds=1, rounds=2, prompts_per_round=8, num_generations=4, sft_steps=3, num_facts=8,
+                     eval_copy_prompts=8)
+    summary = run_demo(tmp_path, probes=["none", "sgt"], settings=s)
+    for name in ("summary.json", "summary.md", "curves.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert set(on_disk["probes"]) == {"none", "sgt"}
+    for probe, entry in on_disk["probes"].items():
+        assert set(entry) == {"llama-bpe", "gpt2-unigram"}
+        for pol in entry.values():
+            for col in ("own_facts", "foreign_facts", "copy"):
+                assert 0.0 <= pol[col]["mean"] <= 1.0 and len(pol[col]["values"]) == 1
+            assert len(pol["reward_curve"]) == 2
+    # the mechanism counters come from the probes that produce them, and only from those
+    assert "sgt/rows_fired" in on_disk["probes"]["sgt"]["llama-bpe"]["counters"]
+    assert "sgt/rows_fired" not in on_disk["probes"]["none"]["llama-bpe"]["counters"]
+    assert summary["round_time_split_s"]["update"] > 0
+    assert "| sgt |" in (tmp_path / "summary.md").read_text()
+
+
+def _entry(own, foreign, std=0.0):
+    cell = lambda m: {"mean": m, "std": std, "values": [m]}
+    return {"p": {"own_facts": cell(own), "foreign_facts": cell(foreign), "copy": cell(0.5)}}
+
+
+def test_verdict_says_when_sharing_did_not_help():
+    summary = {"probes": {"none": _entry(1.0, 0.0, 0.05), "xgrpo": _entry(1.0, 0.02, 0.05),
+                          "sgt": _entry(0.8, 0.5, 0.05)}}
+    lines = _verdict(summary, ["p"])
+    assert any(l.startswith("xgrpo, p: foreign facts did not change") for l in lines)
+    assert any(l.startswith("sgt, p: foreign facts gained (+0.50") and "own facts -0.20" in l for l in lines)
