@@ -27,8 +27,9 @@ Behaviour log-probs (``Rollout.logprobs``) -- which distribution (``SamplingConf
 * ``"tempered"`` (DEFAULT): ``log_softmax(logits / temperature)[token]`` WITHOUT top-k / top-p
   filtering. This is what TRL's GRPO trainer recomputes for pi_old / pi_theta (it divides the logits by
   ``temperature`` and takes the full-vocabulary log-softmax), so the GRPO ratio pi_theta / pi_old
-  compares like with like when the learner uses the same temperature. With ``greedy`` (or
-  ``temperature == 0``) the temperature used here is 1.
+  compares like with like when the learner uses the same temperature. With ``temperature == 0``
+  (greedy) the temperature used here is 1; ``greedy=True`` with a temperature > 0 keeps that
+  temperature for the log-probs.
 * ``"sampling"``: the log-prob under the distribution actually sampled from (tempered AND top-k/top-p
   filtered, renormalised); 0 for greedy (a point mass). Use it for exact importance weights of the
   sampler itself.
@@ -42,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -376,10 +377,19 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     global _TRACES
     _TRACES += 1
 
+    if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"generate: prompt_ids and prompt_mask must both be [B, Tp], got "
+                         f"{prompt_ids.shape} and {prompt_mask.shape}")
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
     model = nnx.merge(graphdef, params)
     b, tp = prompt_ids.shape
     n = config.max_new_tokens
     s = tp + n
+    mcfg = getattr(model, "config", None)
+    if getattr(mcfg, "family", None) == "gpt2" and s > mcfg.max_position_embeddings:
+        raise ValueError(f"generate: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
+                         f"{mcfg.max_position_embeddings} learned positions")
     pad = jnp.int32(config.pad_id)
     eos = jnp.asarray(config.eos_ids, jnp.int32) if config.eos_ids else None
 

@@ -1,4 +1,6 @@
 """mrl_jax.rollout: KV-cache sampler against a no-cache full forward of the same tiny models."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,41 +99,61 @@ def test_nucleus_mask_matches_sorted_cumsum():
         np.testing.assert_array_equal(got, want, err_msg=f"top_p={top_p}")
 
 
-def _freqs(cfg, logits, n=20000, key=0):
+def _sample_many(logits, configs, n, key=0):
+    """Run sample_step for several configs in ONE jitted program (one compile): [(tok, lp)] numpy."""
     big = jnp.broadcast_to(jnp.asarray(logits), (n, logits.shape[-1]))
-    tok, lp = jax.jit(sample_step, static_argnums=2)(big, jax.random.key(key), cfg)
-    return np.bincount(np.asarray(tok), minlength=logits.shape[-1]) / n, np.asarray(tok), np.asarray(lp)
+
+    @jax.jit
+    def f(big, key):
+        return [sample_step(big, jax.random.fold_in(key, i), c) for i, c in enumerate(configs)]
+
+    return [(np.asarray(t), np.asarray(lp)) for t, lp in f(big, jax.random.key(key))]
 
 
 def test_sample_step_distributions():
     logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.7], np.float32)
     t = 0.8
+    n = 20000
     base = np.exp(logits / t) / np.exp(logits / t).sum()
-    # temperature only: frequencies ~ softmax(logits / T); logprobs = tempered log-softmax
-    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t), logits)
-    np.testing.assert_allclose(fr, base, atol=0.015)
-    np.testing.assert_allclose(lp, np.log(base)[tok], rtol=1e-5)
-    # top-k=3 (sampling logprobs): renormalised top-3
     top3 = np.argsort(-logits)[:3]
-    want = np.zeros_like(base)
-    want[top3] = base[top3] / base[top3].sum()
-    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_k=3, logprobs_of="sampling"), logits)
-    np.testing.assert_allclose(fr, want, atol=0.015)
-    np.testing.assert_allclose(lp, np.log(want[tok]), rtol=1e-5)
+    want_k = np.zeros_like(base)
+    want_k[top3] = base[top3] / base[top3].sum()
     # top-p=0.75 (nucleus): tokens 0,1,2 (mass before token 2 = 0.70 < 0.75, before token 7 = 0.83)
     order = np.argsort(-base)
     keep = order[(np.cumsum(base[order]) - base[order]) < 0.75]
-    want = np.zeros_like(base)
-    want[keep] = base[keep] / base[keep].sum()
-    fr, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.75, logprobs_of="sampling"), logits)
-    np.testing.assert_allclose(fr, want, atol=0.015)
-    np.testing.assert_allclose(lp, np.log(want[tok]), rtol=1e-5)
-    # default "tempered" logprobs ignore the filter; "raw" ignores the temperature too
-    _, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.7), logits, n=64)
-    np.testing.assert_allclose(lp, np.log(base)[tok], rtol=1e-5)
-    _, tok, lp = _freqs(SamplingConfig(max_new_tokens=1, temperature=t, top_p=0.7, logprobs_of="raw"), logits, n=64)
+    want_p = np.zeros_like(base)
+    want_p[keep] = base[keep] / base[keep].sum()
     raw = logits - np.log(np.exp(logits).sum())
-    np.testing.assert_allclose(lp, raw[tok], rtol=1e-5)
+    c = functools.partial(SamplingConfig, max_new_tokens=1, temperature=t)
+    cases = [  # (config, expected frequencies, expected logprob table)
+        (c(), base, np.log(base)),  # temperature only; "tempered" logprobs
+        (c(top_k=3, logprobs_of="sampling"), want_k, np.log(np.maximum(want_k, 1e-30))),
+        (c(top_p=0.75, logprobs_of="sampling"), want_p, np.log(np.maximum(want_p, 1e-30))),
+        (c(top_p=0.75), want_p, np.log(base)),  # default "tempered" logprobs ignore the filter
+        (c(top_p=0.75, logprobs_of="raw"), want_p, raw),  # "raw" ignores the temperature too
+    ]
+    outs = _sample_many(logits, [cfg for cfg, _, _ in cases], n)
+    for (cfg, freq, table), (tok, lp) in zip(cases, outs):
+        got = np.bincount(tok, minlength=logits.shape[-1]) / n
+        np.testing.assert_allclose(got, freq, atol=0.015, err_msg=str(cfg))
+        np.testing.assert_allclose(lp, table[tok], rtol=1e-5, err_msg=str(cfg))
+
+
+def test_top_k1_and_tiny_top_p_equal_greedy():
+    """The only place these configs differ is the per-step sampler: check it on many logit rows."""
+    rows = jax.random.normal(jax.random.key(6), (512, VOCAB)) * 3.0
+    configs = [SamplingConfig(max_new_tokens=1, greedy=True)] + [
+        SamplingConfig(max_new_tokens=1, temperature=1.3, **kw)
+        for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"top_k": 4, "top_p": 1e-6})]
+
+    @jax.jit
+    def f(rows, key):
+        return [sample_step(rows, jax.random.fold_in(key, i), c)[0] for i, c in enumerate(configs)]
+
+    toks = [np.asarray(t) for t in f(rows, jax.random.key(0))]
+    np.testing.assert_array_equal(toks[0], np.asarray(jnp.argmax(rows, -1)))
+    for cfg, tok in zip(configs[1:], toks[1:]):
+        np.testing.assert_array_equal(tok, toks[0], err_msg=str(cfg))
 
 
 # ------------------------------------------------------------------------------------------ against the full forward
@@ -139,7 +161,7 @@ def test_kv_cache_decode_equals_full_forward(fam):
     """Prefill + one-token decode steps (teacher forced) give the no-cache forward's logits, left padding."""
     name, g, p, ids, mask = fam
     b, tp = ids.shape
-    steps = 5
+    steps = 4
     s = tp + steps
     follow = jax.random.randint(jax.random.key(1), (b, steps), 3, VOCAB)
     full = np.asarray(_full_fwd(g, p, jnp.concatenate([ids, follow], 1),
@@ -176,15 +198,15 @@ def test_greedy_equals_full_forward_argmax(fam):
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)
 
 
-@pytest.mark.parametrize("logprobs_of", ["tempered", "raw"])
-def test_logprobs_equal_recomputed_forward(llama, logprobs_of):
+def test_logprobs_equal_recomputed_forward(llama):
+    """Default convention ("tempered"): log_softmax(logits / T) of a no-cache forward, no filtering."""
     g, p, ids, mask = llama
     t = 0.7
-    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=t, pad_id=0, logprobs_of=logprobs_of)
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=t, pad_id=0)
+    assert cfg.logprobs_of == "tempered"
     out = generate(g, p, ids, mask, jax.random.key(7), cfg)
     full = _full_logits(g, p, ids, mask, out)
-    scaled = full / t if logprobs_of == "tempered" else full
-    lp = jnp.take_along_axis(jax.nn.log_softmax(scaled, -1), out.tokens[..., None], -1)[..., 0]
+    lp = jnp.take_along_axis(jax.nn.log_softmax(full / t, -1), out.tokens[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)
 
 
@@ -217,27 +239,25 @@ def test_eos_stops_and_masks(llama):
         assert m[b, :n].all() and not m[b, n:].any()
         assert (tok[b, n:] == 0).all() and (lp[b, n:] == 0).all()
     assert out.lengths[0] <= 3
-    fixed = _greedy(g, p, ids, mask, eos_id=eos, stop_early=False)  # fori_loop: same result
-    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(fixed)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # every token is an EOS: all rows stop after one token (early exit of the while_loop)
     out = _greedy(g, p, ids, mask, eos_id=tuple(range(VOCAB)))
     np.testing.assert_array_equal(np.asarray(out.lengths), 1)
     assert not bool(out.truncated.any()) and (np.asarray(out.tokens)[:, 1:] == 0).all()
 
 
-def test_top_k1_and_tiny_top_p_equal_greedy(llama):
-    g, p, ids, mask = llama
-    greedy = np.asarray(_greedy(g, p, ids, mask).tokens)
-    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
-        cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.3, pad_id=0, **kw)
-        out = generate(g, p, ids, mask, jax.random.key(11), cfg)
-        np.testing.assert_array_equal(np.asarray(out.tokens), greedy, err_msg=str(kw))
+def _check_eos_invariants(out, eos):
+    tok, m, lp = np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.logprobs)
+    for b in range(tok.shape[0]):
+        hits = np.flatnonzero(tok[b] == eos)
+        n = hits[0] + 1 if hits.size else tok.shape[1]
+        assert out.lengths[b] == n and bool(out.truncated[b]) == (hits.size == 0)
+        assert m[b, :n].all() and not m[b, n:].any() and (lp[b, n:] == 0).all()
 
 
 def test_no_recompile_and_keys_differ(llama):
     g, p, ids, mask = llama
-    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, pad_id=0, eos_id=2)
+    # eos with the fixed-trip loop (stop_early=False): the other loop form
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, pad_id=0, eos_id=5, stop_early=False)
     a = generate(g, p, ids, mask, jax.random.key(100), cfg)
     n = ro.trace_count()
     b = generate(g, p, ids, mask, jax.random.key(101), cfg)
@@ -247,3 +267,5 @@ def test_no_recompile_and_keys_differ(llama):
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(c.tokens))  # same key: reproducible
     # steps use distinct keys: a row's tokens are not one repeated draw
     assert len({tuple(r) for r in np.asarray(a.tokens).T.tolist()}) > 1
+    for out in (a, b):
+        _check_eos_invariants(out, 5)
