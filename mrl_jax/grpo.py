@@ -189,6 +189,55 @@ def pooled_advantages(rewards: jax.Array, scale="group", eps: float = 1e-4,
     return adv.reshape(P, N, G).transpose(1, 0, 2) * m
 
 
+def pooled_advantages_from_stats(rewards: jax.Array, prompt_slot: jax.Array, own: jax.Array,
+                                 peer_stats: jax.Array, *, scale="group", eps: float = 1e-4,
+                                 capability_weighted: bool = False, tau: float = 1.0,
+                                 floor: float = 1e-3) -> jax.Array:
+    """XGRPO advantages of rows from sufficient statistics (what SEE's GroupStats hold).
+
+    rewards f32[R], prompt_slot int32[R] (0..P-1), own bool[R] (the consumer's own samples, pooled from
+    their rewards), peer_stats f32[P, N, 4] = (count, sum r, sum r^2, successes) of every other policy on
+    each prompt (the consumer's column zero). Returns A_r = (r - b_p) / (s_p + eps), b and s (unbiased)
+    pooled over own rows and all peers' stats of the row's prompt; equals ``pooled_advantages`` on the
+    same samples. capability_weighted (HACPO): reliability weights = each policy's success rate
+    (r >= tau) relative to the mean rate of the policies present (``capability_weights``).
+    """
+    scale = _norm_scale(scale)
+    P = peer_stats.shape[0]
+    o = own.astype(jnp.float32)
+    r = rewards.astype(jnp.float32)
+    seg = lambda x: jax.ops.segment_sum(x * o, prompt_slot, num_segments=P)
+    c_o, s_o, q_o = seg(jnp.ones_like(r)), seg(r), seg(r * r)
+    st = peer_stats.astype(jnp.float32)
+    c_n, s_n, q_n, k_n = st[..., 0], st[..., 1], st[..., 2], st[..., 3]
+    if capability_weighted:
+        own_rate = jnp.sum(o * (r >= tau)) / jnp.maximum(jnp.sum(o), 1.0) + floor
+        peer_rate = jnp.sum(k_n, 0) / jnp.maximum(jnp.sum(c_n, 0), 1.0) + floor      # [N]
+        present = (jnp.sum(c_n, 0) > 0).astype(jnp.float32)
+        mean_rate = (own_rate + jnp.sum(peer_rate * present)) / (1.0 + jnp.sum(present))
+        w_o, w_n = own_rate / mean_rate, (peer_rate / mean_rate)[None, :]
+    else:
+        w_o, w_n = 1.0, jnp.ones_like(c_n)
+    V1 = w_o * c_o + jnp.sum(w_n * c_n, -1)
+    V2 = w_o * w_o * c_o + jnp.sum(w_n * w_n * c_n, -1)
+    S1 = w_o * s_o + jnp.sum(w_n * s_n, -1)
+    Q = w_o * q_o + jnp.sum(w_n * q_n, -1)
+
+    def mean_std(v1, v2, s1, q):
+        mean = s1 / jnp.maximum(v1, 1e-30)
+        den = v1 - v2 / jnp.maximum(v1, 1e-30)
+        ok = den > 1e-12
+        return mean, jnp.where(ok, jnp.sqrt(jnp.maximum(q - mean * mean * v1, 0.0) / jnp.where(ok, den, 1.0)), 0.0)
+
+    mean, std = mean_std(V1, V2, S1, Q)
+    num = r - mean[prompt_slot]
+    if scale == "group":
+        return num / (std[prompt_slot] + eps)
+    if scale == "batch":
+        return num / (mean_std(jnp.sum(V1), jnp.sum(V2), jnp.sum(S1), jnp.sum(Q))[1] + eps)
+    return num
+
+
 # ----------------------------------------------------------------------------- loss
 
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
@@ -216,7 +265,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, loss_type: str = "grpo",
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     m = mask.astype(jnp.float32)
     rv = jnp.ones(m.shape[0], jnp.float32) if row_valid is None else row_valid.astype(jnp.float32)
-    x = per_token.astype(jnp.float32) * m
+    x = jnp.where(m > 0, per_token.astype(jnp.float32), 0.0) * m
     if loss_type == "grpo":
         s = jnp.sum(rv * jnp.sum(x, -1) / jnp.maximum(jnp.sum(m, -1), 1.0))
         return s, jnp.sum(rv)

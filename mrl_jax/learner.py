@@ -28,7 +28,7 @@ only (peer rows have no reference log-probs: their k3 term is zero).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from flax import nnx, struct
 
 from mrl_jax import grpo
 from mrl_jax.configs import check, field
-from mrl_jax.probes import OWN, Probe, Rows, chunk_gather, chunk_sums, make_probe
+from mrl_jax.probes import OWN, Rows, chunk_gather, chunk_sums, make_probe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Batch:
 
 
 def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool = False,
-                  consumer: Union[int, jax.Array] = 0) -> Rows:
+                  consumer: Union[int, jax.Array] = 0, probe_index: Union[int, jax.Array] = 0) -> Rows:
     """Own rows from ``batch`` followed by the view's peer slots (inactive). view None -> own rows only.
 
     Own rows: pg_row 1, pg_mask = completion_mask (zeroed on truncated rows when
@@ -182,7 +182,8 @@ def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool =
             shaping=jnp.zeros((S,), bool), sft_weight=jnp.zeros((S,), jnp.float32),
             advantages=jnp.zeros((S,), jnp.float32))
         own = {k: jnp.concatenate([own[k], peer[k]], axis=0) for k in own}
-    return Rows(**own, consumer=cons, metrics={}, num_prompts=P, num_generations=G)
+    return Rows(**own, consumer=cons, probe_index=jnp.asarray(probe_index, jnp.int32), metrics={},
+                num_prompts=P, num_generations=G)
 
 
 # ----------------------------------------------------------------------------- log-probs and loss
@@ -226,7 +227,8 @@ def _split(rows: Rows, mb: int):
     for f in Rows.PER_ROW:
         a = getattr(rows, f)
         if pad:
-            fill = -1 if f in ("row_kind", "dst_chunk") else 0
+            # padding rows: inactive (masks 0, kind EMPTY) but with a valid key mask, so the forward is finite
+            fill = -1 if f in ("row_kind", "dst_chunk") else (1 if f == "prompt_mask" else 0)
             a = jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)], 0)
         out[f] = a.reshape((n, mb) + a.shape[1:])
     return out
@@ -255,15 +257,17 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         return rows_logp(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                          temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
-    def grads_fn(params, batch: Batch, see_view, key):
+    def grads_fn(params, batch: Batch, see_view, key, probe_index=0):
         P, G = batch.num_prompts, batch.num_generations
         if G != cfg.num_generations:
             raise ValueError(f"batch has {G} generations per prompt, GRPOConfig.num_generations="
                              f"{cfg.num_generations}")
         n_own = P * G
+        if see_view is None:
+            raise ValueError("update needs a see_view (use mrl_jax.see.empty_view(...) when there are no peers)")
         rows = assemble_rows(batch, see_view if probe.needs_peers else None,
                              mask_truncated_completions=cfg.mask_truncated_completions,
-                             consumer=see_view.consumer)
+                             consumer=see_view.consumer, probe_index=probe_index)
         R = rows.rewards.shape[0]
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
         if probe.needs_peers and probe.needs_peer_logp and R > n_own:
@@ -305,10 +309,13 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         def body(carry, f):
             g_acc, l_acc, m_acc = carry
             (loss, m), g = grad_fn(params, _mb_rows(f, rows))
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss, jax.tree.map(jnp.add, m_acc, m)), None
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, l_acc + loss, jax.tree.map(jnp.add, m_acc, m)), None
 
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), zeros_m)
+        # accumulate in float32 (bf16 params too), hand back grads in the params' dtypes
+        init = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.float32(0.0), zeros_m)
         (grads, loss, msum), _ = jax.lax.scan(body, init, fields)
+        grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
         pg_loss = msum.pop("pg_loss")[0]
         metrics = grpo.reduce_metrics(grpo.merge_metrics(msum, probe_metrics))
         own_row = (rows.row_kind == OWN).astype(jnp.float32)
@@ -327,8 +334,10 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
 def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=None,
                      grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0, *,
                      donate: bool = True, jit: bool = True):
-    """Build ``update(params, opt_state, batch, see_view, key) -> (params, opt_state, metrics)``.
+    """Build ``update(params, opt_state, batch, see_view, key, probe_index=0) -> (params, opt_state, metrics)``.
 
+    probe_index (traced) selects the acting chain of a ``probes.switch`` probe, so one compile serves
+    several chains (ignored by other probes).
     graphdef from ``nnx.split(model)``; probe: a ``Probe`` or spec string (``make_probe``);
     micro_batch_size: rows per micro-batch (0 = all rows in one); rows are padded up to a multiple.
     Params and opt_state are donated (donate=True): do not reuse the arrays passed in.
@@ -338,8 +347,8 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     """
     grads_fn = make_grad_fn(graphdef, probe, grpo_config, micro_batch_size)
 
-    def update(params, opt_state, batch: Batch, see_view, key):
-        loss, grads, metrics = grads_fn(params, batch, see_view, key)
+    def update(params, opt_state, batch: Batch, see_view, key, probe_index=0):
+        loss, grads, metrics = grads_fn(params, batch, see_view, key, probe_index)
         gnorm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         safe_g = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)

@@ -134,7 +134,8 @@ class Rows:
     of the PG term), pg_weight f32[R, Tc] (stop-gradient per-token weight, e.g. PRP importance weights),
     shaping bool[R] (PG term uses LUFFY policy shaping on this row), sft_weight f32[R] (SGT rescue weight),
     advantages f32[R]. metrics: dict of full-batch probe figures name -> (sum, count) (not per row).
-    consumer int32[] / num_prompts / num_generations describe the layout.
+    consumer int32[] / num_prompts / num_generations describe the layout; probe_index int32[] selects the
+    acting chain of a ``switch`` probe (the update's ``probe_index`` argument).
     """
     prompt_ids: jax.Array
     prompt_mask: jax.Array
@@ -157,6 +158,7 @@ class Rows:
     sft_weight: jax.Array
     advantages: jax.Array
     consumer: jax.Array
+    probe_index: jax.Array
     metrics: dict = struct.field(default_factory=dict)
     num_prompts: int = struct.field(pytree_node=False, default=0)
     num_generations: int = struct.field(pytree_node=False, default=0)
@@ -262,54 +264,58 @@ def chain(*probes: Probe) -> Probe:
                  any(p.uses_shaping for p in probes))
 
 
+def switch(*choices) -> Probe:
+    """One compiled update for several probe chains: ``rows.probe_index`` (the update's ``probe_index``
+    argument, a traced int) picks the chain that acts; the others run but are masked out. Costs the union
+    of the chains' rows (peer slots are always assembled). E.g. ``switch("none", "xgrpo", "prp", "sgt")``."""
+    choices = tuple(make_probe(c) for c in choices)
+    if not choices:
+        raise ValueError("switch needs at least one probe")
+
+    def pick(idx, xs):
+        return jnp.stack(xs)[jnp.clip(idx, 0, len(xs) - 1)]
+
+    def masked(idx, ms):
+        out = {}
+        for i, m in enumerate(ms):
+            on = (idx == i).astype(jnp.float32)
+            out = grpo.merge_metrics(out, {k: (v[0] * on, v[1] * on) for k, v in m.items()})
+        return out
+
+    def extend(rows, see_view, key):
+        outs = [c.extend(rows, see_view, key) for c in choices]
+        idx = rows.probe_index
+        upd = {f: pick(idx, [getattr(o, f) for o in outs]) for f in Rows.PER_ROW}
+        new = [{k: v for k, v in o.metrics.items() if k not in rows.metrics} for o in outs]
+        return rows.replace(**upd, metrics=grpo.merge_metrics(rows.metrics, masked(idx, new)))
+
+    def advantages(rewards, rows, see_view, adv):
+        return pick(rows.probe_index, [c.advantages(rewards, rows, see_view, adv) for c in choices])
+
+    def loss_terms(logp, rows):
+        ss, ds, ms = [], [], []
+        for i, c in enumerate(choices):
+            s, d, m = c.loss_terms(logp, rows)
+            ss.append(jnp.atleast_1d(s) * (rows.probe_index == i))
+            ds.append(jnp.atleast_1d(d))
+            ms.append(m)
+        return jnp.concatenate(ss), jnp.concatenate(ds), masked(rows.probe_index, ms)
+
+    return Probe("switch(" + ",".join(c.name for c in choices) + ")", extend, advantages, loss_terms,
+                 needs_peers=any(c.needs_peers for c in choices),
+                 needs_peer_logp=any(c.needs_peer_logp for c in choices),
+                 uses_shaping=any(c.uses_shaping for c in choices))
+
+
 # ----------------------------------------------------------------------------- XGRPO / PRP advantages
-
-def _pooled_stats(rows: Rows, see_view, capability_weighted: bool, floor: float = 1e-3):
-    """Per prompt (weighted) V1, V2, S1, Q over own rows + the view's peer group stats."""
-    P = rows.num_prompts
-    own = (rows.row_kind == OWN).astype(jnp.float32)
-    r = rows.rewards
-    seg = lambda x: jax.ops.segment_sum(x * own, rows.prompt_slot, num_segments=P)
-    c_o, s_o, q_o = seg(jnp.ones_like(r)), seg(r), seg(r * r)
-    st = see_view.peer_stats.astype(jnp.float32)              # [P, N, 4]: count, sum, sumsq, nsucc
-    c_n, s_n, q_n, k_n = st[..., 0], st[..., 1], st[..., 2], st[..., 3]
-    if capability_weighted:
-        tau = see_view.tau
-        own_rate = jnp.sum(own * (r >= tau)) / jnp.maximum(jnp.sum(own), 1.0) + floor
-        peer_rate = jnp.sum(k_n, 0) / jnp.maximum(jnp.sum(c_n, 0), 1.0) + floor     # [N]
-        present = (jnp.sum(c_n, 0) > 0).astype(jnp.float32)
-        mean_rate = (own_rate + jnp.sum(peer_rate * present)) / (1.0 + jnp.sum(present))
-        w_o, w_n = own_rate / mean_rate, (peer_rate / mean_rate)[None, :]
-    else:
-        w_o, w_n = 1.0, jnp.ones_like(c_n)
-    V1 = w_o * c_o + jnp.sum(w_n * c_n, -1)
-    V2 = w_o * w_o * c_o + jnp.sum(w_n * w_n * c_n, -1)
-    S1 = w_o * s_o + jnp.sum(w_n * s_n, -1)
-    Q = w_o * q_o + jnp.sum(w_n * q_n, -1)
-    return V1, V2, S1, Q, k_n
-
 
 def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4,
                           capability_weighted: bool = False) -> jax.Array:
     """A_r = (r - b(x)) / (s(x) + eps) with b, s pooled over own rows and every peer's group stats for the
-    row's prompt (unbiased, reliability-weighted when capability_weighted; equals grpo.pooled_advantages)."""
-    scale = grpo._norm_scale(scale)
-    V1, V2, S1, Q, _ = _pooled_stats(rows, see_view, capability_weighted)
-    mean = S1 / jnp.maximum(V1, 1e-30)
-    den = V1 - V2 / jnp.maximum(V1, 1e-30)
-    ss = jnp.maximum(Q - mean * mean * V1, 0.0)
-    std = jnp.where(den > 1e-12, jnp.sqrt(ss / jnp.where(den > 1e-12, den, 1.0)), 0.0)
-    num = rows.rewards - mean[rows.prompt_slot]
-    if scale == "group":
-        return num / (std[rows.prompt_slot] + eps)
-    if scale == "batch":
-        tV1, tV2 = jnp.sum(V1), jnp.sum(V2)
-        tm = jnp.sum(S1) / jnp.maximum(tV1, 1e-30)
-        tden = tV1 - tV2 / jnp.maximum(tV1, 1e-30)
-        tstd = jnp.where(tden > 1e-12, jnp.sqrt(jnp.maximum(jnp.sum(Q) - tm * tm * tV1, 0.0)
-                                                / jnp.where(tden > 1e-12, tden, 1.0)), 0.0)
-        return num / (tstd + eps)
-    return num
+    row's prompt (``grpo.pooled_advantages_from_stats``; equals grpo.pooled_advantages)."""
+    return grpo.pooled_advantages_from_stats(rows.rewards, rows.prompt_slot, rows.row_kind == OWN,
+                                             see_view.peer_stats, scale=scale, eps=eps,
+                                             capability_weighted=capability_weighted, tau=see_view.tau)
 
 
 def xgrpo(scale="group", capability_weighted: bool = False, eps: float = 1e-4) -> Probe:
@@ -322,10 +328,6 @@ def xgrpo(scale="group", capability_weighted: bool = False, eps: float = 1e-4) -
         own = rows.row_kind == OWN
         return jnp.where(own, pooled, adv)
 
-    def loss_terms(logp, rows):
-        z = jnp.zeros((0,), jnp.float32)
-        return z, z, {}
-
     def extend(rows, see_view, key):
         # metric: own advantage on prompts a peer solved (computed in advantages' terms, recorded here)
         pooled = pooled_row_advantages(rows, see_view, scale, eps, capability_weighted)
@@ -335,7 +337,7 @@ def xgrpo(scale="group", capability_weighted: bool = False, eps: float = 1e-4) -
                                   "xgrpo/peer_solved_frac": (jnp.sum(solved.astype(jnp.float32)),
                                                              jnp.float32(solved.shape[0]))})
 
-    return Probe("xgrpo", extend, advantages, loss_terms, needs_peers=False, needs_peer_logp=False)
+    return Probe("xgrpo", extend, advantages, _id_loss_terms)
 
 
 
@@ -477,11 +479,13 @@ def _parse_one(spec: str) -> Probe:
 
 def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None]) -> Probe:
     """Build a probe chain from "none" | "xgrpo" | "prp" | "sgt" | "xgrpo+sgt" | "sgt:lam=0.3" | a list |
-    a Probe."""
+    a Probe; "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index)."""
     if spec is None:
         return none()
     if isinstance(spec, Probe):
         return spec
+    if isinstance(spec, str) and "|" in spec:
+        return switch(*[p for p in spec.split("|") if p.strip()])
     if isinstance(spec, str):
         parts = [p for p in spec.split("+") if p.strip()]
         if not parts:

@@ -70,7 +70,8 @@ def test_gradient_at_ratio_one_is_minus_a_grad_logp():
         def explicit(th):
             lp = grpo.token_logprobs(th, targets)
             return -jnp.sum(adv[:, None] * lp * mask / norm())
-        np.testing.assert_allclose(jax.grad(loss)(theta, lt), jax.grad(explicit)(theta), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(jax.jit(jax.grad(loss), static_argnums=1)(theta, lt),
+                                   jax.jit(jax.grad(explicit))(theta), rtol=1e-5, atol=1e-7)
 
 
 def test_clipping_zeroes_gradient_outside_trust_region():
@@ -84,7 +85,7 @@ def test_clipping_zeroes_gradient_outside_trust_region():
         def f(th):
             s, d, _ = grpo.policy_loss(grpo.token_logprobs(th, targets), old, adv, m, epsilon=0.2)
             return s / d
-        return jax.grad(f)(theta)
+        return jax.jit(jax.grad(f))(theta)
 
     pos, neg = jnp.ones(3), -jnp.ones(3)
     assert float(jnp.abs(grad_with(0.5, pos)).max()) == 0.0        # ratio 1.65 > 1.2 with A > 0
@@ -148,12 +149,14 @@ def test_chunked_logprobs_match_full_log_softmax():
     W = jax.random.normal(k2, (8, 50))
     t = jax.random.randint(k3, (2, 11), 0, 50)
     full = grpo.token_logprobs(h @ W, t)
+    stats = jax.jit(grpo.chunked_token_stats, static_argnums=(1, 3))
+    head = lambda x: x @ W
     for cs in (1, 4, 11, 128):
-        lp, ent = grpo.chunked_token_stats(h, lambda x: x @ W, t, cs)
+        lp, ent = stats(h, head, t, cs)
         np.testing.assert_allclose(lp, full, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(ent, grpo.token_entropy(h @ W), rtol=1e-5, atol=1e-5)
-    g_full = jax.grad(lambda w: jnp.sum(grpo.token_logprobs(h @ w, t)))(W)
-    g_chunk = jax.grad(lambda w: jnp.sum(grpo.chunked_token_logprobs(h, lambda x: x @ w, t, 4)))(W)
+    g_full = jax.jit(jax.grad(lambda w: jnp.sum(grpo.token_logprobs(h @ w, t))))(W)
+    g_chunk = jax.jit(jax.grad(lambda w: jnp.sum(grpo.chunked_token_logprobs(h, lambda x: x @ w, t, 4))))(W)
     np.testing.assert_allclose(g_chunk, g_full, rtol=1e-4, atol=1e-5)
 
 
@@ -166,3 +169,20 @@ def test_policy_shaping_replaces_clipped_ratio():
     rho = np.exp(0.3)
     # token 0 shaped, token 1 clipped at 1.2 (ratio e^3, A > 0)
     np.testing.assert_allclose(float(s / d), -(2 * rho / (rho + 0.1) + 2 * 1.2) / 2, rtol=1e-6)
+
+
+def test_chunked_logprobs_bound_the_logits_memory():
+    B, T, D, V = 2, 256, 16, 4096                  # full f32 logits: 8 MiB; one 16-token chunk: 0.5 MiB
+    h = jax.ShapeDtypeStruct((B, T, D), jnp.float32)
+    w = jax.ShapeDtypeStruct((D, V), jnp.float32)
+    t = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def temp_bytes(cs):
+        f = jax.grad(lambda w_, h_, t_: jnp.sum(grpo.chunked_token_logprobs(h_, lambda x: x @ w_, t_, cs)))
+        mem = jax.jit(f).lower(w, h, t).compile().memory_analysis()
+        if mem is None:
+            pytest.skip("backend reports no memory analysis")
+        return mem.temp_size_in_bytes
+
+    full, chunked = temp_bytes(T), temp_bytes(16)
+    assert full >= B * T * V * 4 and chunked < full / 4, (full, chunked)

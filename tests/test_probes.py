@@ -34,6 +34,7 @@ CFG = GRPOConfig(num_generations=G, max_completion_length=TC)
 KEY = jax.random.PRNGKey(0)
 
 
+@jax.jit
 def _logp(prompt_ids, comp, mask):
     return rows_logp(MODEL, prompt_ids, jnp.ones(prompt_ids.shape, bool), comp, mask)[0]
 
@@ -69,11 +70,11 @@ def _make(own_r, peer_r, peer_kind=None, seed=0):
 _FNS = {}
 
 
-def _grads(spec, batch, view, cfg=CFG, mb=0):
+def _grads(spec, batch, view, cfg=CFG, mb=0, probe_index=0):
     key = (spec if isinstance(spec, str) else spec.name, cfg, mb)
     if key not in _FNS:
         _FNS[key] = make_grad_fn(GRAPHDEF, spec, cfg, mb, jit=True)
-    loss, g, m = _FNS[key](PARAMS, batch, view, KEY)
+    loss, g, m = _FNS[key](PARAMS, batch, view, KEY, probe_index)
     return loss, g, m
 
 
@@ -116,14 +117,23 @@ def test_pooled_row_advantages_equal_grpo_pooled(flat, cw):
     stats = np.stack([np.full((P, 3), G), r.sum(2).T, (r ** 2).sum(2).T, (r >= 1).sum(2).T], -1).astype(np.float32)
     stats[:, 0] = 0
     view = see.empty_view(P, 1, TC, 1, 3).replace(peer_stats=jnp.asarray(stats))
-    rows = assemble_rows(batch)
-    got = probes.pooled_row_advantages(rows, view, capability_weighted=cw)
-    pw = grpo.capability_weights(jnp.asarray(r), threshold=1.0) if cw else None
-    expect = grpo.pooled_advantages(jnp.asarray(r), peer_weights=pw)[0].reshape(-1)
+    got, expect, alone, grpo_adv = _pooled_check(batch, view, jnp.asarray(r), cw)
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
     # one policy (no peer stats): XGRPO advantages == GRPO group advantages
-    alone = probes.xgrpo().advantages(rows.rewards, rows, see.empty_view(P, 1, TC, 1, 3), jnp.zeros(P * G))
-    np.testing.assert_allclose(alone, grpo.group_advantages(jnp.asarray(r[0])).reshape(-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(alone, grpo_adv, rtol=1e-5, atol=1e-6)
+
+
+@jax.jit
+def _pooled_check(batch, view, r, cw):
+    rows = assemble_rows(batch)
+    got_cw = probes.pooled_row_advantages(rows, view, capability_weighted=True)
+    got = probes.pooled_row_advantages(rows, view, capability_weighted=False)
+    expect_cw = grpo.pooled_advantages(r, peer_weights=grpo.capability_weights(r, threshold=1.0))[0].reshape(-1)
+    expect = grpo.pooled_advantages(r)[0].reshape(-1)
+    alone = probes.xgrpo().advantages(rows.rewards, rows, view.replace(peer_stats=0 * view.peer_stats),
+                                      jnp.zeros(P * G))
+    return (jnp.where(cw, got_cw, got), jnp.where(cw, expect_cw, expect), alone,
+            grpo.group_advantages(r[0]).reshape(-1))
 
 
 # ----------------------------------------------------------------------------- identities through the learner
@@ -156,22 +166,27 @@ def test_prp_with_self_peer_equals_grpo_on_pooled_group(loss_type):
                                    max_completion_length=TC)
         return s / d
 
-    el, eg = jax.value_and_grad(ref_loss)(PARAMS)
+    el, eg = jax.jit(jax.value_and_grad(ref_loss))(PARAMS)
     np.testing.assert_allclose(float(loss), float(el), rtol=1e-5, atol=1e-6)
     _close(g, eg, rtol=1e-4, atol=1e-6)
 
 
 def _sgt_term_grad(probe, batch, view):
     """Gradient of the SGT loss term alone (sum / denominator) through the model."""
-    rows = probe.extend(assemble_rows(batch, view), view, KEY)
-    prompt, cmask = rows.prompt_ids, rows.completion_mask
 
-    def term(params):
-        lpp = rows_logp(nnx.merge(GRAPHDEF, params), prompt, rows.prompt_mask, rows.completion_ids, cmask)[0]
-        s, d, _ = probe.loss_terms(lpp, rows)
-        return jnp.sum(s / jnp.maximum(d, 1e-30))
+    @jax.jit
+    def run(params, batch, view):
+        rows = probe.extend(assemble_rows(batch, view), view, KEY)
 
-    return jax.grad(term)(PARAMS), rows
+        def term(p):
+            lpp = rows_logp(nnx.merge(GRAPHDEF, p), rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
+                            rows.completion_mask)[0]
+            s, d, _ = probe.loss_terms(lpp, rows)
+            return jnp.sum(s / jnp.maximum(d, 1e-30))
+
+        return jax.grad(term)(params), rows
+
+    return run(PARAMS, batch, view)
 
 
 def test_sgt_gradient_is_lambda_mean_grad_logp_when_gate_open():
@@ -189,7 +204,7 @@ def test_sgt_gradient_is_lambda_mean_grad_logp_when_gate_open():
         lpp = rows_logp(nnx.merge(GRAPHDEF, params), pr, jnp.ones(pr.shape, bool), y, m_y)[0]
         return jnp.sum(lpp * m_y) / jnp.sum(m_y)
 
-    expect = jax.tree.map(lambda x: -0.1 * x, jax.grad(mean_logp)(PARAMS))     # loss grad = -lam grad mean logp
+    expect = jax.tree.map(lambda x: -0.1 * x, jax.jit(jax.grad(mean_logp))(PARAMS))     # loss grad = -lam grad mean logp
     _close(g, expect, rtol=1e-5, atol=1e-7)
     # through the learner: grads(sgt) - grads(none) is the same rescue direction
     _, g_sgt, m = _grads("sgt", batch, view)
@@ -206,8 +221,9 @@ def test_sgt_is_exactly_zero_with_own_success_and_draws_one_rescue():
     # all own rows failed, three peer successes per prompt: exactly one drawn per prompt, key-dependent
     batch, view, *_ = _make(np.zeros((P, G)), np.ones((P, G)))
     picks = set()
+    ext = jax.jit(lambda b, v, k: probes.sgt().extend(assemble_rows(b, v), v, k))
     for k in range(6):
-        rows = probes.sgt().extend(assemble_rows(batch, view), view, jax.random.PRNGKey(k))
+        rows = ext(batch, view, jax.random.PRNGKey(k))
         sel = np.nonzero(np.asarray(rows.sft_weight))[0]
         assert len(sel) == P and sorted(np.asarray(rows.prompt_slot)[sel]) == list(range(P))
         picks.add(tuple(sel))
@@ -241,3 +257,17 @@ def test_prp_masks_residual_chunks_and_truncates_weights():
     assert float(out.metrics["prp/residual_frac"][0]) == float(jnp.sum(view.mask[:, 0]))
     shaped = probes.prp(mode="shaping").extend(rows, view, KEY)
     assert bool(shaped.shaping[peer].all()) and not bool(shaped.shaping[:P * G].any())
+
+
+def test_switch_one_compile_serves_every_chain():
+    batch, view, *_ = _make([[0, 0, 0], [1, 0, 1]], [[0, 1, 0], [1, 1, 0]])
+    spec = "none|xgrpo|prp|sgt"
+    fn = make_grad_fn(GRAPHDEF, spec, CFG, 0, jit=True)
+    for i, name in enumerate(spec.split("|")):
+        l_s, g_s, m_s = fn(PARAMS, batch, view, KEY, i)
+        l_i, g_i, m_i = _grads(name, batch, view)
+        np.testing.assert_allclose(float(l_s), float(l_i), rtol=1e-5, atol=1e-7, err_msg=name)
+        _close(g_s, g_i, rtol=1e-4, atol=1e-6)
+        for k, v in m_i.items():
+            np.testing.assert_allclose(float(m_s[k]), float(v), rtol=1e-4, atol=1e-6, err_msg=f"{name} {k}")
+    assert fn._cache_size() == 1

@@ -1,0 +1,176 @@
+"""mrl_jax.learner: micro-batch accumulation, NaN guard, GRPO learns a trivial task, SGT rescues prompts
+the policy cannot solve alone. Uses mrl_jax.models.tiny_model (the model contract)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mrl_jax import see
+from mrl_jax.configs import ConfigError
+from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn, make_optimizer, make_update_step
+from mrl_jax.models import tiny_model
+
+TP = 2
+
+
+def _model(V, seed=0):
+    return tiny_model("llama", V, seed=seed, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler(graphdef, Tc):
+    @jax.jit
+    def sample(params, prompt, key):
+        model = nnx.merge(graphdef, params)
+        ids, lps = prompt, []
+        for t in range(Tc):
+            logits = model(ids)[:, -1].astype(jnp.float32)
+            tok = jax.random.categorical(jax.random.fold_in(key, t), logits)
+            lps.append(jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], 1)[:, 0])
+            ids = jnp.concatenate([ids, tok[:, None].astype(jnp.int32)], 1)
+        return ids[:, prompt.shape[1]:], jnp.stack(lps, 1)
+    return sample
+
+
+def _batch(prompts, comp, lp, rewards):
+    n, Tc = comp.shape
+    return Batch(prompt_ids=prompts, prompt_mask=jnp.ones(prompts.shape, bool), completion_ids=comp,
+                 completion_mask=jnp.ones((n, Tc)), old_logp=lp, ref_logp=jnp.zeros((n, Tc)),
+                 rewards=rewards.astype(jnp.float32), truncated=jnp.zeros((n,), bool))
+
+
+def _peer_view(P, K, targets, Tc, N=2):
+    """K peer slots per prompt; slot 0 holds the peer's verified success (the target), others empty."""
+    S = P * K
+    ids = np.zeros((S, Tc), np.int32)
+    kind = np.full(S, see.EMPTY, np.int32)
+    mask = np.zeros((S, Tc), np.float32)
+    for p in range(P):
+        ids[p * K], kind[p * K], mask[p * K] = targets[p], see.PEER, 1.0
+    stats = np.zeros((P, N, 4), np.float32)
+    stats[:, 1] = [1.0, 1.0, 1.0, 1.0]
+    return see.empty_view(P, K, Tc, Tc, N).replace(
+        ids=jnp.asarray(ids), mask=jnp.asarray(mask), kind=jnp.asarray(kind),
+        dst_chunk=jnp.where(jnp.asarray(mask) > 0, jnp.arange(Tc)[None], -1).astype(jnp.int32),
+        chunk_valid=jnp.asarray(mask) > 0, src_chunk_logp=jnp.asarray(mask) * -0.1,
+        rewards=jnp.asarray((kind == see.PEER).astype(np.float32)),
+        source=jnp.asarray(np.where(kind == see.PEER, 1, -1), jnp.int32), peer_stats=jnp.asarray(stats))
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="loss_type"):
+        GRPOConfig(loss_type="sum")
+    with pytest.raises(ConfigError, match="epsilon"):
+        GRPOConfig(epsilon=1.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        make_optimizer(1e-3, schedule="cosine")
+
+
+def test_micro_batch_accumulation_equals_full_batch():
+    V, P, G, Tc, K = 16, 3, 2, 3, 2
+    graphdef, params = nnx.split(_model(V))
+    rs = np.random.RandomState(0)
+    prompts = jnp.asarray(rs.randint(3, V, (P, TP)), jnp.int32)
+    comp = jnp.asarray(rs.randint(0, V, (P * G, Tc)), jnp.int32)
+    batch = _batch(prompts, comp, jnp.asarray(rs.uniform(-3.5, -2.0, (P * G, Tc)), jnp.float32),
+                   jnp.asarray([0, 1, 0, 0, 1, 1], jnp.float32))
+    view = _peer_view(P, K, rs.randint(0, V, (P, Tc)), Tc)
+    view = view.replace(kind=jnp.where(view.kind == see.EMPTY, see.PEER, view.kind),
+                        mask=jnp.ones_like(view.mask), chunk_valid=jnp.ones_like(view.chunk_valid),
+                        dst_chunk=jnp.tile(jnp.arange(Tc), (P * K, 1)))
+    cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="grpo", beta=0.0)
+    full = make_grad_fn(graphdef, "prp+sgt", cfg, 0, jit=True)(params, batch, view, jax.random.PRNGKey(1))
+    micro = make_grad_fn(graphdef, "prp+sgt", cfg, 5, jit=True)(params, batch, view, jax.random.PRNGKey(1))
+    np.testing.assert_allclose(float(micro[0]), float(full[0]), rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6),
+                 micro[1], full[1])
+    for k in ("prp/ess", "sgt/rows_fired", "entropy", "clip_ratio/low_mean"):
+        np.testing.assert_allclose(float(micro[2][k]), float(full[2][k]), rtol=1e-5, err_msg=k)
+    assert float(full[2]["sgt/rows_fired"]) > 0 and float(full[2]["prp/rows"]) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _grpo_env(V=16, P=4, G=8, Tc=1):
+    """One tiny policy + one compiled 'none' update shared by the NaN-guard and GRPO-learning tests."""
+    graphdef, params = nnx.split(_model(V))
+    cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="dapo")
+    opt = make_optimizer(2e-2, max_grad_norm=1.0)
+    return graphdef, params, opt, make_update_step(graphdef, opt, "none", cfg, donate=False)
+
+
+def test_nan_guard_leaves_params_unchanged():
+    V, P, G, Tc = 16, 4, 8, 1
+    graphdef, params, opt, update = _grpo_env(V, P, G, Tc)
+    prompts = jnp.full((P, TP), 3, jnp.int32)
+    comp = jnp.full((P * G, Tc), 5, jnp.int32)
+    r = jnp.asarray(np.arange(P * G) % 2, jnp.float32)
+    bad = _batch(prompts, comp, jnp.full((P * G, Tc), -2.0), r.at[3].set(np.nan))
+    state = opt.init(params)
+    p1, s1, m = update(params, state, bad, see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
+    assert float(m["skipped"]) == 1.0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), (p1, s1), (params, state))
+    p2, _, m = update(params, state, bad.replace(rewards=r), see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
+    assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
+
+
+def test_grpo_learns_to_emit_a_fixed_token():
+    V, P, G, Tc, TARGET = 16, 4, 8, 1, 5
+    graphdef, params, opt, update = _grpo_env(V, P, G, Tc)
+    sample = _sampler(graphdef, Tc)
+    prompts = jnp.asarray(np.random.RandomState(0).randint(3, V, (P, TP)), jnp.int32)
+    rep = jnp.repeat(prompts, G, axis=0)
+    view = see.empty_view(P, 1, Tc, 1, 1)
+    state, key, curve = opt.init(params), jax.random.PRNGKey(0), []
+    for step in range(15):
+        key, k1, k2 = jax.random.split(key, 3)
+        comp, lp = sample(params, rep, k1)
+        r = (comp[:, 0] == TARGET).astype(jnp.float32)
+        params, state, m = update(params, state, _batch(prompts, comp, lp, r), view, k2)
+        curve.append(float(m["reward_mean"]))
+        assert float(m["skipped"]) == 0.0
+    probs = jax.nn.softmax(nnx.merge(graphdef, params)(prompts)[:, -1])[:, TARGET]
+    assert np.mean(curve[:3]) < 0.3 and float(jnp.min(probs)) > 0.8, (curve, probs)
+
+
+@pytest.mark.parametrize("probe", ["none", "sgt"])
+def test_only_sgt_learns_prompts_solved_by_a_peer(probe):
+    V, P, G, Tc, K = 48, 3, 4, 3, 2
+    graphdef, params = nnx.split(_model(V, seed=1))
+    params0 = jax.tree.map(jnp.copy, params)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="grpo")
+    opt = make_optimizer(2e-2, max_grad_norm=1.0)
+    update = make_update_step(graphdef, opt, probe, cfg)
+    sample = _sampler(graphdef, Tc)
+    rs = np.random.RandomState(1)
+    prompts = jnp.asarray(rs.randint(3, V, (P, TP)), jnp.int32)
+    targets = rs.randint(3, V, (P, Tc))
+    view = _peer_view(P, K, targets, Tc)
+    rep = jnp.repeat(prompts, G, axis=0)
+    tgt = jnp.repeat(jnp.asarray(targets), G, axis=0)
+    state, key, fired, rewards = opt.init(params), jax.random.PRNGKey(2), [], []
+    for step in range(25):
+        key, k1, k2 = jax.random.split(key, 3)
+        comp, lp = sample(params, rep, k1)
+        r = jnp.all(comp == tgt, axis=1).astype(jnp.float32)
+        params, state, m = update(params, state, _batch(prompts, comp, lp, r), view, k2)
+        rewards.append(float(m["reward_mean"]))
+        fired.append(float(m.get("sgt/rows_fired", 0.0)))
+
+    def p_target(prm):
+        ids = jnp.concatenate([prompts, jnp.asarray(targets, jnp.int32)], 1)
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, prm)(ids)[:, TP - 1:-1])
+        return jnp.exp(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], -1)[..., 0], 1))
+
+    if probe == "none":    # all-zero groups: GRPO has no gradient, the policy never moves
+        assert max(rewards) == 0.0
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params0)
+    else:
+        assert fired[0] == P and float(jnp.min(p_target(params))) > 0.5, (p_target(params), rewards)
+        assert float(jnp.max(p_target(params0))) < 1e-3
+        assert rewards[-1] > 0.0
