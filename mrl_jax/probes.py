@@ -33,7 +33,7 @@ from flax import struct
 from mrl_jax import grpo
 from mrl_jax.grpo import policy_shaping  # noqa: F401  (re-exported helper)
 
-OWN, PEER, ARCHIVE, EMPTY = 0, 1, 2, -1
+OWN, PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 0, 1, 2, 3, -1
 WEIGHT_MODES = ("truncate", "clip", "shaping", "none")
 _MAX_LOG = 80.0
 
@@ -126,7 +126,7 @@ class Rows:
     completion_mask f32[R, Tc], old_logp f32[R, Tc] (peer rows: the consumer's current log-probs,
     filled by the learner's no-grad pre-pass when a probe needs them), ref_logp f32[R, Tc],
     rewards f32[R], truncated bool[R], row_kind int32[R] (OWN=0, PEER=1 current-round peer rollout,
-    ARCHIVE=2 archived verified success, EMPTY=-1), prompt_slot int32[R] (0..P-1), source int32[R]
+    ARCHIVE=2 archived verified peer success, OWN_ARCHIVE=3 own archived success (replay), EMPTY=-1), prompt_slot int32[R] (0..P-1), source int32[R]
     (generating policy), dst_chunk int32[R, Tc] (THL chunk of each completion token, -1 pad; own rows -1),
     src_chunk_logp f32[R, C] (source behaviour log-prob summed per chunk), chunk_valid bool[R, C]
     (False = THL residual chunk).
@@ -444,16 +444,47 @@ def sgt(lam: float = 0.1, tau: float = 1.0, gate: str = "own_failure", rescues_p
             "sgt/prompts_rescued": (jnp.sum(fired.astype(jnp.float32)), jnp.float32(1.0))})
 
     def loss_terms(logp, rows):
-        s, d, m = sgt_rescue_loss(logp, rows.completion_mask, rows.sft_weight, lam=lam,
-                                  length_normalize=length_normalize)
+        w = jnp.where(rows.row_kind == OWN_ARCHIVE, 0.0, rows.sft_weight)
+        s, d, m = sgt_rescue_loss(logp, rows.completion_mask, w, lam=lam, length_normalize=length_normalize)
         return s[None], d[None], m
 
     return Probe("sgt", extend, _id_advantages, loss_terms, needs_peers=True, needs_peer_logp=compat_gate)
 
 
+# ----------------------------------------------------------------------------- replay (own-skill anchor)
+
+def replay(lam: float = 0.1, tau: float = 1.0, gate: str = "always") -> Probe:
+    """Replay of the policy's OWN verified successes archived in SEE (view slots of kind OWN_ARCHIVE): adds
+    -lam * mean (1/|y|) sum_t log pi_i(y_t | x, y_<t) over them, on every batch prompt that has one
+    (gate="always") or only where the current own group failed (gate="own_failure"). Not in the paper:
+    an anchor against forgetting the own skill while SGT/PRP pull toward a peer's (DESIGN.md, demo).
+    Metrics: replay/rows, replay/nll."""
+    if gate not in SGT_GATES:
+        raise ValueError(f"replay gate must be one of {SGT_GATES}, got {gate!r}")
+    if lam < 0:
+        raise ValueError(f"lam must be >= 0, got {lam}")
+
+    def extend(rows, see_view, key):
+        r, slot = rows.rewards, rows.prompt_slot
+        own_max = jax.ops.segment_max(jnp.where(rows.row_kind == OWN, r, -jnp.inf), slot,
+                                      num_segments=rows.num_prompts)
+        open_ = own_max < tau if gate == "own_failure" else jnp.ones_like(own_max, bool)
+        sel = ((rows.row_kind == OWN_ARCHIVE) & (r >= tau) & ~rows.truncated
+               & (jnp.sum(rows.completion_mask, -1) > 0) & open_[slot])
+        rows = rows.replace(sft_weight=jnp.where(sel, 1.0, rows.sft_weight))
+        return add_metrics(rows, {"replay/rows": (jnp.sum(sel.astype(jnp.float32)), jnp.float32(1.0))})
+
+    def loss_terms(logp, rows):
+        w = jnp.where(rows.row_kind == OWN_ARCHIVE, rows.sft_weight, 0.0)
+        s, d, m = sgt_rescue_loss(logp, rows.completion_mask, w, lam=lam)
+        return s[None], d[None], {"replay/nll": m["sgt/nll"]}
+
+    return Probe("replay", extend, _id_advantages, loss_terms, needs_peers=True)
+
+
 # ----------------------------------------------------------------------------- registry
 
-REGISTRY: dict[str, Callable[..., Probe]] = {"none": none, "xgrpo": xgrpo, "prp": prp, "sgt": sgt}
+REGISTRY: dict[str, Callable[..., Probe]] = {"none": none, "xgrpo": xgrpo, "prp": prp, "sgt": sgt, "replay": replay}
 
 
 def _parse_one(spec: str) -> Probe:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-PEER, ARCHIVE, EMPTY = 1, 2, -1      # same codes as mrl_jax.probes row kinds
+PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 1, 2, 3, -1      # same codes as mrl_jax.probes row kinds
 _HASH_BASE = np.uint32(16777619)
 
 
@@ -280,18 +280,19 @@ def decode_text(rec: RolloutRecord, i: int) -> str:
 # ----------------------------------------------------------------------------- per-consumer views (host)
 
 def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts: int = 4,
-                 k_successes: int = 0) -> dict:
-    """Host: choose K = k_rollouts + k_successes peer entries per batch prompt for ``consumer``.
+                 k_successes: int = 0, k_own: int = 0) -> dict:
+    """Host: choose K = k_rollouts + k_successes + k_own entries per batch prompt for ``consumer``.
 
     Rollout slots: the newest records of other policies from their latest round on that prompt (kind PEER).
     Success slots: the newest archived successes of other policies not already chosen (kind ARCHIVE).
+    Own slots: the consumer's own newest archived successes (kind OWN_ARCHIVE, for the replay probe).
     Returns numpy arrays over S = P*K slots (table 0 = rollouts, 1 = successes, -1 = empty; index; kind;
     prompt_slot; source; reward; truncated) and lists (texts, src_ids, src_logp) over the filled slots
     in slot order (``filled`` = their slot indices).
     """
     ro, su = jax.device_get(see.rollouts), jax.device_get(see.successes)
     lr = np.asarray(see.stats.latest_round)
-    P, K = len(prompt_ids), k_rollouts + k_successes
+    P, K = len(prompt_ids), k_rollouts + k_successes + k_own
     S = P * K
     out = {"table": np.full(S, -1, np.int32), "index": np.full(S, -1, np.int32),
            "kind": np.full(S, EMPTY, np.int32), "prompt_slot": np.repeat(np.arange(P, dtype=np.int32), K),
@@ -315,11 +316,14 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
                 seen.add(key)
                 chosen.append((1, int(i)))
                 n_s += 1
+        mo = su.valid & (su.prompt_id == pid) & (su.source == consumer)
+        oidx = np.nonzero(mo)[0]
+        chosen += [(2, int(i)) for i in oidx[np.argsort(-su.stamp[oidx], kind="stable")][:k_own]]
         for k, (tab, i) in enumerate(chosen):
             s = p * K + k
             rec = ro if tab == 0 else su
-            out["table"][s], out["index"][s] = tab, i
-            out["kind"][s] = PEER if tab == 0 else ARCHIVE
+            out["table"][s], out["index"][s] = min(tab, 1), i
+            out["kind"][s] = (PEER, ARCHIVE, OWN_ARCHIVE)[tab]
             out["source"][s], out["reward"][s] = rec.source[i], rec.reward[i]
             out["truncated"][s] = rec.truncated[i]
             out["texts"].append(decode_text(rec, i))
@@ -386,12 +390,12 @@ def make_view(sel: dict, aligned: dict, *, consumer: int, stats: np.ndarray, max
 
 
 def build_view(see: SEE, consumer: int, prompt_ids: Sequence[int], align_batch: Callable, *,
-               k_rollouts: int = 4, k_successes: int = 0, max_completion_len: int, max_chunks: int,
-               pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
+               k_rollouts: int = 4, k_successes: int = 0, k_own: int = 0, max_completion_len: int,
+               max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host convenience: select_peers -> align_batch(texts, sources, src_ids) -> make_view.
     ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns the dict
     described in ``make_view``."""
-    sel = select_peers(see, consumer, prompt_ids, k_rollouts, k_successes)
+    sel = select_peers(see, consumer, prompt_ids, k_rollouts, k_successes, k_own)
     srcs = [int(sel["source"][s]) for s in sel["filled"]]
     aligned = align_batch(sel["texts"], srcs, sel["src_ids"]) if sel["filled"] else {
         "dst_ids": [], "dst_chunk": [], "src_chunk": [], "chunk_valid": []}

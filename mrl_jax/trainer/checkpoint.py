@@ -21,6 +21,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing or does not match the run it is restored into."""
 
 
+def _check_matches(template: Any, restored: Any, where: Path) -> None:
+    """Every restored leaf has its template's shape and dtype (orbax restores a stored array of another
+    shape without complaint, which would surface later as an obscure shape error inside a jitted step)."""
+    t_leaves = jax.tree_util.tree_flatten_with_path(template)[0]
+    r_leaves = jax.tree.leaves(restored)
+    if len(t_leaves) != len(r_leaves):
+        raise CheckpointError(f"checkpoint {where} holds {len(r_leaves)} arrays, this run's state {len(t_leaves)}; "
+                              "resume with the config that wrote it, or start a new --out directory.")
+    for (path, t), r in zip(t_leaves, r_leaves):
+        r = np.asarray(r)
+        if t.shape != r.shape or t.dtype != r.dtype:
+            raise CheckpointError(
+                f"checkpoint {where}: array {jax.tree_util.keystr(path)} is {r.dtype}{list(r.shape)} but this "
+                f"run's config gives {t.dtype}{list(t.shape)}. Resume with the config that wrote the checkpoint "
+                "(its copy is config.json next to checkpoints/), or start a new --out directory.")
+
+
 class RunCheckpointer:
     """Save / restore ``(state pytree, meta dict)`` per round under ``<out>/checkpoints``."""
 
@@ -41,21 +58,55 @@ class RunCheckpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
 
+    def all_rounds(self) -> list[int]:
+        """Rounds of every complete checkpoint kept, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
     def restore(self, template: Any, round_index: int | None = None) -> tuple[Any, dict]:
-        """Restore into the structure of ``template``; returns ``(state, meta)``."""
-        step = self.latest_round() if round_index is None else round_index
+        """Restore into the structure of ``template``; returns ``(state, meta)``.
+
+        Raises ``CheckpointError`` naming the checkpoint directory and the fix when it is missing, unreadable
+        (files deleted or corrupted) or written by a different config (tree structure, shape or dtype of a
+        leaf differs from ``template``'s).
+        """
+        steps = self.all_rounds()
+        step = (steps[-1] if steps else None) if round_index is None else round_index
         if step is None:
             raise CheckpointError(
                 f"no complete checkpoint in {self.directory}; start without --resume to begin a new run.")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, jax.tree.map(np.asarray, template))
+        where = self.directory / str(step)
+        if step not in steps:
+            raise CheckpointError(f"no complete checkpoint of round {step} in {self.directory} (complete: {steps}).")
+        template = jax.tree.map(np.asarray, template)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, FileNotFoundError) as e:
+        except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types; all mean "unusable"
+            msg = " ".join(str(e).split())[:400]
+            if "mismatch" in msg.lower() or "not found in metadata" in msg.lower():
+                raise CheckpointError(
+                    f"checkpoint {where} does not match this run's config ({msg}). Resume with the config that "
+                    "wrote it (its copy is config.json next to checkpoints/), or start a new --out directory.") from e
+            earlier = [s for s in steps if s < step]
+            fix = (f"delete {where} to resume from the previous complete checkpoint (round {earlier[-1]})"
+                   if earlier else "start a new --out directory (no earlier checkpoint is kept)")
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} does not match this run's config ({e}). Resume with "
-                f"the config that wrote it, or start a new --out directory.") from e
+                f"checkpoint {where} (round {step}) is incomplete or corrupted: {type(e).__name__}: {msg}. "
+                f"Fix: {fix}.") from e
+        _check_matches(template, restored.state, where)
         return restored.state, dict(restored.meta)
+
+    def read(self, round_index: int | None = None) -> tuple[Any, dict]:
+        """Template-free restore for inspection and comparison: ``(tree of numpy arrays as saved, meta)``
+        (nested dicts/lists; no config needed). ``restore`` is what a resumed run uses."""
+        step = self.latest_round() if round_index is None else round_index
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}.")
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        return jax.tree.map(np.asarray, restored.state), dict(restored.meta)
 
     def close(self) -> None:
         self._manager.close()

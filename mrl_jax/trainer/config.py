@@ -12,6 +12,7 @@ from typing import Literal, Optional
 
 from mrl_jax.configs import check, field
 from mrl_jax.learner import GRPOConfig
+from mrl_jax.probes import make_probe
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -106,10 +107,19 @@ class PolicySpec:
     grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
     probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'")
     warm_start: WarmStartSpec = field(default_factory=WarmStartSpec, help="supervised warm start")
+    max_prompt_length: int = field(
+        0, help="prompt token limit of this policy (template and BOS included); 0 = the model's context "
+                "(max_position_embeddings) minus sampling.max_new_tokens. Longer prompts are handled as the "
+                "run's overlong_prompts says")
 
     def __post_init__(self):
         check("{prompt}" in self.prompt_template, "prompt_template",
               f"must contain '{{prompt}}', got {self.prompt_template!r}")
+        check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
+        try:
+            make_probe(self.probes)
+        except (ValueError, TypeError) as e:
+            check(False, "probes", f"{self.probes!r}: {e}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +146,14 @@ class SeeSpec:
     success_threshold: float = field(1.0, help="reward >= this is a verified success (SGT's tau)")
     peer_rollouts_per_prompt: int = field(8, help="peer rollout slots per prompt in a consumer's view (PRP)")
     peer_successes_per_prompt: int = field(2, help="archived peer success slots per prompt (SGT)")
+    own_successes_per_prompt: int = field(1, help="archived own success slots per prompt (replay probe)")
     max_text_bytes: int = field(256, help="bytes of completion text stored per record")
+
+    def __post_init__(self):
+        for key in ("capacity", "per_prompt_cap", "max_text_bytes"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("peer_rollouts_per_prompt", "peer_successes_per_prompt"):
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +174,10 @@ class RunConfig:
     reward_timeout_s: float = field(5.0, help="time limit of one reward call")
     max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
     max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
+    overlong_prompts: Literal["reject", "truncate"] = field(
+        "reject", help="prompts longer than a policy's max_prompt_length: 'reject' = never sample them (the "
+                       "round draws others), 'truncate' = keep the longest tail of the prompt text that fits every "
+                       "policy; counted per round as data/prompts_rejected, data/prompts_truncated")
 
     def __post_init__(self):
         check(len(self.policies) >= 1, "policies", "needs at least one policy")
@@ -165,3 +186,7 @@ class RunConfig:
         for key in ("rounds", "prompts_per_round", "num_generations", "checkpoint_every", "keep_checkpoints"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
         check(self.reward_timeout_s > 0, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
+        for key in ("eval_prompts", "max_skipped_updates"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("eval_every", "max_reward_failures"):
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")

@@ -7,7 +7,9 @@ metrics); the checkpoint holds every policy's params and optimizer state and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +19,8 @@ import numpy as np
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
-from mrl_jax.tasks import ArithmeticTask, JsonlTask, RewardScorer, RewardSpec, StringTask, Task, default_mixture, task_reward
+from mrl_jax.tasks import (ArithmeticTask, JsonlTask, Prompt, RewardFailure, RewardScorer, RewardSpec, StringTask, Task,
+                           default_mixture, task_reward)
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
@@ -59,10 +62,12 @@ class Run:
         self.dense = {p.id: k for k, p in enumerate(self.train_prompts)}
         corpus = task_corpus(self.task)
         self.policies: list[Policy] = []
+        self.prompt_limits: list[int] = []
         states = []
         for i, spec in enumerate(cfg.policies):
             tok = build_tokenizer(spec, corpus, cache_dir)
             model = build_model(spec, tok, seed=cfg.seed * 1000 + i)
+            self.prompt_limits.append(_prompt_limit(spec, model))
             pol, st = build_policy(i, spec, tok, model, cfg)
             if warm and spec.warm_start.steps > 0:
                 ws = spec.warm_start
@@ -73,13 +78,15 @@ class Run:
                 st = st.replace(params=params)
             self.policies.append(pol)
             states.append(st)
+        self._fit_prompts()
         max_src = max(p.sampling.max_new_tokens for p in self.policies)
         see = see_lib.init(cfg.see.capacity, cfg.see.max_text_bytes, max_src, len(self.policies),
                            len(self.train_prompts), per_prompt_cap=cfg.see.per_prompt_cap,
                            success_capacity=cfg.see.capacity, tau=cfg.see.success_threshold)
         self.state = RunState(policies=tuple(states), see=see)
         self.view_shape = ViewShape(peer_rollouts=cfg.see.peer_rollouts_per_prompt,
-                                    peer_successes=cfg.see.peer_successes_per_prompt)
+                                    peer_successes=cfg.see.peer_successes_per_prompt,
+                                    own_successes=cfg.see.own_successes_per_prompt)
 
     def sft_draw(self, part: str | None):
         """Warm-start batches: the mixture's weighted draw (a small fact table is not drowned), else uniform."""
@@ -87,11 +94,90 @@ class Run:
             return lambda n, rng: self.task.sample_sft(n, rng, part=part)
         return uniform_draw(self.task.sft_examples(part))
 
+    def _prompt_lengths(self, texts: Sequence[str]) -> np.ndarray:
+        """int[N, num_policies]: each policy's prompt token count (template and BOS included), as
+        ``encode_prompts`` encodes it."""
+        out = np.zeros((len(texts), len(self.policies)), np.int64)
+        for k, pol in enumerate(self.policies):
+            seqs = pol.tokenizer.encode_batch([pol.spec.prompt_template.format(prompt=t) for t in texts])
+            out[:, k] = [len(q) + (pol.tokenizer.bos_id is not None) for q in seqs]
+        return out
+
+    def _fits(self, text: str) -> bool:
+        return bool(np.all(self._prompt_lengths([text])[0] <= np.asarray(self.prompt_limits)))
+
+    def _truncated(self, prompt: Prompt) -> Prompt:
+        """``prompt`` with the longest tail of its text that fits every policy's limit."""
+        text = prompt.text
+        lo, hi = 0, len(text)  # find the smallest start whose tail fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._fits(text[mid:]) else (mid + 1, hi)
+        while lo < len(text) and not self._fits(text[lo:]):
+            lo += 1
+        if not self._fits(text[lo:]):
+            raise ConfigError(
+                f"config key 'policies[*].max_prompt_length': limits {self.prompt_limits} are shorter than the "
+                "prompt template alone; raise max_prompt_length (or shorten prompt_template).")
+        return dataclasses.replace(prompt, text=text[lo:])
+
+    def _fit_prompts(self) -> None:
+        """Apply the prompt length limits (``overlong_prompts``) to the train and eval prompts."""
+        limits = np.asarray(self.prompt_limits)
+        self.rejected: set[int] = set()
+        self.replacement: dict[int, Prompt] = {}
+        self.prompt_stats = {}
+        for split in ("train", "eval"):
+            prompts = self.train_prompts if split == "train" else self.eval_prompts
+            if not prompts:
+                continue
+            over = np.any(self._prompt_lengths([p.text for p in prompts]) > limits, axis=1)
+            self.prompt_stats[f"{split}_prompts_overlong"] = int(over.sum())
+            if not over.any():
+                continue
+            if self.cfg.overlong_prompts == "reject":
+                if over.all():
+                    raise ConfigError(
+                        f"config key 'policies[*].max_prompt_length': every {split} prompt is longer than the "
+                        f"limits {self.prompt_limits} (tokens per policy); raise max_prompt_length or set "
+                        "overlong_prompts: truncate.")
+                self.rejected.update(p.id for p, o in zip(prompts, over) if o)
+                kept = [p for p, o in zip(prompts, over) if not o]
+            else:
+                kept = [self._truncated(p) if o else p for p, o in zip(prompts, over)]
+                self.replacement.update((p.id, q) for p, q, o in zip(prompts, kept, over) if o)
+            if split == "eval":
+                self.eval_prompts = kept
+
+    def round_data(self, round_index: int):
+        """The prompts of round ``r`` (a function of (task seed, run seed, r) only) with their dense SEE ids
+        and the prompt-length counts: ``(prompts, dense int32[P], {"data/prompts_rejected", ...})``."""
+        rng = np.random.default_rng([self.cfg.seed, round_index])
+        P = self.cfg.prompts_per_round
+        prompts = self.task.sample_train(P, rng)
+        rejected = 0
+        if self.rejected:
+            kept = [p for p in prompts if p.id not in self.rejected]
+            rejected = P - len(kept)
+            for _ in range(1000):
+                if len(kept) >= P:
+                    break
+                more = self.task.sample_train(P, rng)
+                rejected += sum(p.id in self.rejected for p in more)
+                kept += [p for p in more if p.id not in self.rejected]
+            if len(kept) < P:
+                raise ConfigError("config key 'overlong_prompts': almost every train prompt is rejected as too long; "
+                                  "raise policies[*].max_prompt_length or set overlong_prompts: truncate.")
+            prompts = kept[:P]
+        truncated = sum(p.id in self.replacement for p in prompts)
+        prompts = [self.replacement.get(p.id, p) for p in prompts]
+        counts = {"data/prompts_rejected": float(rejected), "data/prompts_truncated": float(truncated)}
+        return prompts, np.asarray([self.dense[p.id] for p in prompts], np.int32), counts
+
     def round_prompts(self, round_index: int):
         """The prompts of round ``r``: a function of (task seed, run seed, r) only."""
-        rng = np.random.default_rng([self.cfg.seed, round_index])
-        prompts = self.task.sample_train(self.cfg.prompts_per_round, rng)
-        return prompts, np.asarray([self.dense[p.id] for p in prompts], np.int32)
+        prompts, dense, _ = self.round_data(round_index)
+        return prompts, dense
 
     def round_key(self, round_index: int) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.cfg.seed), round_index)
@@ -99,6 +185,73 @@ class Run:
     def evaluate(self, state: RunState, num_prompts: int | None = None) -> dict:
         prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
         return evaluate(self.policies, state.policies, self.task, prompts)
+
+
+def _prompt_limit(spec, model) -> int:
+    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length."""
+    if spec.max_prompt_length:
+        return spec.max_prompt_length
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context is None:
+        return 1 << 30
+    limit = int(context) - spec.sampling.max_new_tokens
+    if limit < 1:
+        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {spec.sampling.max_new_tokens} "
+                          f"leaves no room for a prompt in the model's context of {context} tokens; lower it.")
+    return limit
+
+
+class _LastInputs:
+    """Wraps each policy's jitted ``update`` to keep a reference to the last (batch, see_view) it got, so a
+    batch that made the update non-finite can be saved for inspection (no copy, no device sync)."""
+
+    def __init__(self):
+        self.inputs: dict[str, tuple] = {}
+
+    def wrap(self, policy: Policy) -> Policy:
+        update = policy.update
+
+        def recorded(params, opt_state, batch, see_view, key):
+            self.inputs[policy.name] = (batch, see_view)
+            return update(params, opt_state, batch, see_view, key)
+
+        return dataclasses.replace(policy, update=recorded)
+
+    def save(self, name: str, path: Path, prompts: Sequence[Prompt], round_index: int) -> Path | None:
+        """Write the last batch and SEE view of ``name`` as ``path`` (.npz); arrays named by their field path."""
+        if name not in self.inputs:
+            return None
+        arrays = {"round": np.asarray(round_index), "prompts": np.asarray([p.text for p in prompts]),
+                  "answers": np.asarray([p.answer for p in prompts])}
+        for prefix, tree in zip(("batch", "view"), self.inputs[name]):
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                key = prefix + jax.tree_util.keystr(kp).replace("'", "").replace("[", ".").replace("]", "")
+                arrays[key] = np.asarray(jax.device_get(leaf))
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, **arrays)
+        tmp.replace(path)
+        return path
+
+
+def _warn_config_changes(out: Path, cfg: RunConfig) -> None:
+    """On resume, warn about keys that differ from the config the run was started with."""
+    try:
+        old = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+
+    def flat(d, pre=""):
+        if isinstance(d, dict):
+            return {k: v for key, val in d.items() for k, v in flat(val, f"{pre}{key}.").items()}
+        if isinstance(d, list):
+            return {k: v for i, val in enumerate(d) for k, v in flat(val, f"{pre}{i}.").items()}
+        return {pre[:-1]: d}
+
+    a, b = flat(old), flat(json.loads(json.dumps(to_dict(cfg))))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "rounds")
+    if changed:
+        warnings.warn(f"resuming {out} with a config that differs from the one it started with in: "
+                      f"{', '.join(changed)}", stacklevel=3)
 
 
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
@@ -113,49 +266,68 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     latest = ckpt.latest_round()
     if latest is not None and not resume:
+        ckpt.close()
         raise CheckpointError(f"{out} already holds checkpoints (latest round {latest}); pass --resume to continue "
                               "it or choose a new --out directory.")
+    logged = max((int(r.get("round", -1)) for r in RunLog.read_records(out / "metrics.jsonl")), default=-1)
+    if resume and latest is None and logged >= cfg.checkpoint_every:
+        ckpt.close()  # the run had saved the checkpoint of round checkpoint_every - 1 before logging this round
+        raise CheckpointError(
+            f"--resume: {out / 'metrics.jsonl'} has rounds up to {logged} but {ckpt.directory} holds no complete "
+            "checkpoint (deleted or moved?). Put the checkpoints back, or start a new --out directory (or delete "
+            "metrics.jsonl and samples.jsonl to start this run over).")
     run = Run(cfg, task=task, warm=not (resume and latest is not None))
     log = RunLog(out, progress=progress)
     state, start = run.state, 0
     if resume and latest is not None:
+        _warn_config_changes(out, cfg)
         state, meta = ckpt.restore(run.state)
         start = int(meta["round"]) + 1
         log.truncate_after(start - 1)
     elif resume:
         log.truncate_after(-1)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    recorder = _LastInputs()
+    policies = [recorder.wrap(p) for p in run.policies]
     skipped = {p.name: 0 for p in run.policies}
     history = []
+    r = start
     try:
         with _reward_scorer(run, reward_specs) as scorer:
             for r in range(start, cfg.rounds):
-                prompts, dense = run.round_prompts(r)
+                prompts, dense, prompt_counts = run.round_data(r)
                 state, metrics, samples = run_round(
-                    run.policies, state, prompts, dense, scorer=scorer, key=run.round_key(r), round_index=r,
+                    policies, state, prompts, dense, scorer=scorer, key=run.round_key(r), round_index=r,
                     num_generations=cfg.num_generations, view_shape=run.view_shape)
+                for m in metrics.values():
+                    m.update(prompt_counts)
                 log.log_round(r, metrics)
                 log.log_samples(r, samples)
                 history.append({n: m["reward/mean"] for n, m in metrics.items()})
                 for name, m in metrics.items():
                     skipped[name] = skipped[name] + 1 if m.get("skipped", 0.0) > 0 else 0
-                if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
-                    ckpt.save(r, state, {"round": r})
                 bad = [n for n, c in skipped.items() if c >= cfg.max_skipped_updates]
-                if bad:
+                if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds or bad:
                     ckpt.save(r, state, {"round": r})
+                if bad:
+                    saved = [recorder.save(n, out / f"failed_batch_{n}_round{r}.npz", prompts, r) for n in bad]
                     raise TrainingStopped(
                         f"policies {bad} skipped {cfg.max_skipped_updates} updates in a row (non-finite loss or "
-                        f"gradient); state saved at round {r} in {ckpt.directory}. Lower the learning rate or check "
-                        "the rewards, then --resume.")
+                        f"gradient); state saved at round {r} in {ckpt.directory}; the last batch of each is in "
+                        f"{[str(p) for p in saved if p]}. Lower the learning rate or check the rewards, then --resume.")
                 if cfg.eval_every and (r + 1) % cfg.eval_every == 0:
                     log.log_round(r, {f"{n}/eval": {"success": v["success"]}
                                       for n, v in run.evaluate(state, cfg.eval_prompts).items()})
+    except RewardFailure as e:
+        done = ckpt.latest_round()
+        raise RewardFailure(
+            f"{e}\nThe run stopped in round {r}; that round was not logged. The last complete checkpoint is round "
+            f"{done} in {ckpt.directory}: fix the reward, then resume with --resume.") from e
     finally:
         log.close()
         ckpt.close()
     final = run.evaluate(state, cfg.eval_prompts)
-    summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None,
+    summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None, "prompts": run.prompt_stats,
                "policies": {p.name: {"params": param_count(s), "eval": final[p.name]}
                             for p, s in zip(run.policies, state.policies)}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

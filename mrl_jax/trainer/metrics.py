@@ -91,10 +91,22 @@ class RunLog:
         """Sampled completions (policy, prompt, completion, reward) of a round."""
         self._append(self.samples_path, [{"round": round_index, **s} for s in samples])
 
-    def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
+    @staticmethod
+    def read_records(path: str | Path) -> list[dict]:
+        """The records of a JSONL log (a line torn by a kill mid-write is skipped); [] if it does not exist."""
+        path = Path(path)
+        if not path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+    def read_metrics(self) -> list[dict]:
+        return self.read_records(self.metrics_path)
 
     def close(self) -> None:
         if self._tb is not None:

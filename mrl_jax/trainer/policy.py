@@ -57,7 +57,11 @@ def build_tokenizer(spec: PolicySpec, corpus: Sequence[str], cache_dir: str | No
     trained deterministically on ``corpus`` with ``tokenizer.kind``."""
     path = spec.tokenizer.path or spec.model.path
     if path is not None:
-        return load_tokenizer(path)
+        try:
+            return load_tokenizer(path)
+        except (OSError, ValueError) as e:
+            key = "tokenizer.path" if spec.tokenizer.path else "model.path"
+            raise ConfigError(f"config key 'policies.{spec.name}.{key}': {e}") from e
     try:
         return train_tokenizer(spec.tokenizer.kind, corpus, spec.tokenizer.vocab_size, cache_dir=cache_dir)
     except Exception as e:  # the tokenizers trainer raises bare Exceptions
@@ -70,8 +74,14 @@ def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model."""
     m = spec.model
     if m.path is not None:
-        model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype)
-        models.check_tokenizer_fits(model.config, tokenizer.vocab_size, spec.tokenizer.path or m.path)
+        try:
+            model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype)
+        except (OSError, ValueError) as e:  # models.CheckpointError is a ValueError naming the file
+            raise ConfigError(f"config key 'policies.{spec.name}.model.path': {e}") from e
+        try:
+            models.check_tokenizer_fits(model.config, tokenizer.vocab_size, spec.tokenizer.path or m.path)
+        except ValueError as e:
+            raise ConfigError(f"config key 'policies.{spec.name}.tokenizer.path': {e}") from e
         return model
     overrides = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      dtype=m.dtype, param_dtype=m.dtype)

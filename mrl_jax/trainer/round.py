@@ -43,6 +43,11 @@ class ViewShape:
 
     peer_rollouts: int = struct.field(pytree_node=False, default=8)
     peer_successes: int = struct.field(pytree_node=False, default=2)
+    own_successes: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def slots(self) -> int:
+        return self.peer_rollouts + self.peer_successes + self.own_successes
 
 
 _see_add = jax.jit(see_lib.add)
@@ -142,9 +147,10 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
                 view = see_lib.build_view(
                     see, pol.index, dense_ids, _aligner(pol, policies, Tc, thl_metrics[pol.index]),
                     k_rollouts=view_shape.peer_rollouts, k_successes=view_shape.peer_successes,
+                    k_own=view_shape.own_successes,
                     max_completion_len=Tc, max_chunks=Tc, pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
             else:
-                view = see_lib.empty_view(P, view_shape.peer_rollouts + view_shape.peer_successes, Tc, Tc,
+                view = see_lib.empty_view(P, view_shape.slots, Tc, Tc,
                                           len(policies), consumer=pol.index, tau=see.tau)
                 view = view.replace(peer_stats=jnp.asarray(stats))
             views.append(view)
