@@ -47,7 +47,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 __all__ = [
     "ByteTable",
@@ -59,9 +59,10 @@ __all__ = [
 ]
 
 TRAINABLE_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
+_MIN_VOCAB = {"byte_bpe": 260, "metaspace_bpe": 261, "unigram": 264, "wordpiece": 8, "char": 260}
 _TRAIN_SPECIALS = ("<pad>", "<bos>", "<eos>")
 _UNK = "<unk>"
-_CACHE_VERSION = "mrl-tok-v1"
+_CACHE_VERSION = "mrl-tok-v6"
 
 # Polynomial hash of token bytes, modulo 2**64 (numpy uint64 arithmetic wraps): h(b) = sum_k b[k] * P**k.
 HASH_BASE = np.uint64(0x100000001B3)  # odd: its powers never vanish modulo 2**64
@@ -176,16 +177,6 @@ def powers(n: int) -> np.ndarray:
     return np.cumprod(p, dtype=np.uint64)[:n]
 
 
-def prefix_hashes(data: np.ndarray, pw: np.ndarray | None = None) -> np.ndarray:
-    """``H[i] = sum_{j<i} data[j] * P**j`` (uint64[n+1]); a slice's hash is ``H[e] - H[s] = P**s * h(slice)``."""
-    n = data.shape[0]
-    if pw is None:
-        pw = powers(n)
-    out = np.zeros(n + 1, dtype=np.uint64)
-    np.cumsum(data.astype(np.uint64) * pw[:n], out=out[1:])
-    return out
-
-
 def _segment_hashes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     lengths = np.diff(offsets)
     within = np.arange(data.shape[0], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
@@ -195,12 +186,24 @@ def _segment_hashes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return contrib[offsets[1:]] - contrib[offsets[:-1]]
 
 
+def _flat_pre(p) -> list[dict]:
+    if not p:
+        return []
+    return [x for q in p["pretokenizers"] for x in _flat_pre(q)] if p.get("type") == "Sequence" else [p]
+
+
 def _decoder_steps(cfg: dict) -> list[dict]:
+    """The decoder's steps; without a decoder, the conventions implied by the model / pre-tokenizer."""
     dec = cfg.get("decoder") or {}
     model = cfg.get("model") or {}
     steps = dec.get("decoders", []) if dec.get("type") == "Sequence" else ([dec] if dec else [])
-    if not steps and (model.get("type") == "WordPiece" or "max_input_chars_per_word" in model):
-        steps = [{"type": "WordPiece", "prefix": model.get("continuing_subword_prefix", "##"), "cleanup": True}]
+    if not steps:
+        pre = _flat_pre(cfg.get("pre_tokenizer"))
+        steps = [p for p in pre if p.get("type") in ("ByteLevel", "Metaspace")][:1]
+        if model.get("type") == "WordPiece" or "max_input_chars_per_word" in model:
+            steps = [{"type": "WordPiece", "prefix": model.get("continuing_subword_prefix", "##"), "cleanup": True}]
+        if model.get("byte_fallback"):
+            steps.append({"type": "ByteFallback"})
     return steps
 
 
@@ -381,6 +384,7 @@ class Tokenizer:
         self._vocab_size = max(hf.get_vocab_size(with_added_tokens=True),
                                max([a["id"] for a in self._cfg.get("added_tokens", [])], default=-1) + 1)
         self._variants: dict[tuple[bool, bool], HFTokenizer] = {(False, True): hf}
+        self._cont_cfg: dict | bool | None = None
         self._lock = threading.Lock()
         self._table: ByteTable | None = None
 
@@ -428,13 +432,19 @@ class Tokenizer:
 
     # -- encoding
     def _variant(self, continuation: bool, parse_special: bool) -> HFTokenizer:
+        """The tokenizers.Tokenizer for these options (clones made once, on first use)."""
+        if continuation and self._cont_cfg is None:
+            cc = _continuation_config(self._cfg)
+            self._cont_cfg = cc if cc != self._cfg else False  # False: no dummy prefix to remove
+        if continuation and self._cont_cfg is False:
+            continuation = False
         key = (bool(continuation), bool(parse_special))
         hf = self._variants.get(key)
         if hf is None:
             with self._lock:
                 hf = self._variants.get(key)
                 if hf is None:
-                    cfg = _continuation_config(self._cfg) if continuation else self._cfg
+                    cfg = self._cont_cfg if continuation else self._cfg
                     hf = HFTokenizer.from_str(json.dumps(cfg))
                     hf.encode_special_tokens = not parse_special
                     self._variants[key] = hf
@@ -543,12 +553,18 @@ def _infer_special_ids(hf: HFTokenizer, folder: Path | None) -> tuple[int | None
     return found["bos"], found["eos"], found["pad"]
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+_LOADED: dict[tuple, Tokenizer] = {}
+_LOADED_MAX = 16
+
+
+def load_tokenizer(path: str | os.PathLike, *, cache: bool = True) -> Tokenizer:
     """Load a local Hugging Face tokenizer: a directory holding ``tokenizer.json``, or the file itself.
 
     BOS/EOS/PAD ids come from ``tokenizer_config.json`` / ``special_tokens_map.json`` /
     ``generation_config.json`` / ``config.json`` next to it, else from usual added-token spellings.
     Raises ``FileNotFoundError`` / ``ValueError`` naming ``path`` when it is missing or not a tokenizer.
+    ``cache``: return the same (read-only by convention) object for an unchanged file, so that its byte
+    table and encoding variants are built once per process.
     """
     p = Path(path).expanduser()
     file = p / "tokenizer.json" if p.is_dir() else p
@@ -556,6 +572,25 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         what = "has no tokenizer.json" if p.is_dir() else "does not exist"
         raise FileNotFoundError(f"cannot load tokenizer: {p} {what} (expected a directory with tokenizer.json "
                                 f"or the tokenizer.json file itself)")
+    key = None
+    if cache:
+        st = file.stat()
+        side = tuple((f, (file.parent / f).stat().st_mtime_ns) for f in _CONFIG_FILES if (file.parent / f).is_file())
+        key = (str(file.resolve()), st.st_mtime_ns, st.st_size, side)
+        if key in _LOADED:
+            return _LOADED[key]
+    tok = _load(file)
+    if key is not None:
+        if len(_LOADED) >= _LOADED_MAX:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = tok
+    return tok
+
+
+_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+
+
+def _load(file: Path) -> Tokenizer:
     try:
         hf = HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -614,7 +649,9 @@ def _train_bpe(corpus, vocab_size, *, pre, decoder, byte_fallback) -> HFTokenize
     tok.decoder = decoder
     extra = 256 if byte_fallback else 0
     alphabet = pre_tokenizers.ByteLevel.alphabet() if not byte_fallback else []
-    kw = {"limit_alphabet": 1000} if byte_fallback else {}  # rarer characters fall back to bytes
+    # byte fallback: keep at most half the room for single characters, rarer ones fall back to bytes
+    room = vocab_size - 256 - len(_TRAIN_SPECIALS)
+    kw = {"limit_alphabet": max(1, min(1000, room // 2))} if byte_fallback else {}
     trainer = trainers.BpeTrainer(vocab_size=max(vocab_size - extra, len(_TRAIN_SPECIALS) + 1),
                                   special_tokens=list(_TRAIN_SPECIALS), initial_alphabet=alphabet,
                                   show_progress=False, **kw)
@@ -637,12 +674,16 @@ def _train(kind: str, corpus: list[str], vocab_size: int) -> HFTokenizer:
                           byte_fallback=True)
     if kind == "unigram":
         tok = HFTokenizer(models.Unigram())
+        # "<" and ">" are isolated so that the special pieces ("<eos>", ...) and the byte pieces ("<0x41>"), which
+        # are Unigram pieces as in T5's tokenizer.json, can never be matched from the text itself
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme="first", split=True),
-                                                     pre_tokenizers.Digits(individual_digits=True)])
+                                                     pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.Split(Regex("[<>]"), behavior="isolated")])
         tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first"), decoders.ByteFallback(),
                                          decoders.Fuse()])
         specials = [*_TRAIN_SPECIALS, _UNK]
-        trainer = trainers.UnigramTrainer(vocab_size=max(vocab_size - 256, len(specials) + 8),
+        n_chars = len({c for t in corpus for c in t})  # the trainer keeps every character: cut afterwards
+        trainer = trainers.UnigramTrainer(vocab_size=max(vocab_size - 256, n_chars + len(specials) + 8),
                                           special_tokens=specials, unk_token=_UNK, show_progress=False,
                                           max_piece_length=16)
         tok.train_from_iterator(corpus, trainer=trainer)
@@ -660,6 +701,7 @@ def _train(kind: str, corpus: list[str], vocab_size: int) -> HFTokenizer:
             if ps[1] <= floor + 1e-4 * len(singles) + 1e-6:
                 ps[1] = floor
         rest.sort(key=lambda ps: (-ps[1], ps[0]))
+        rest = rest[: max(vocab_size - len(head) - 256, 0)]  # the rarest characters fall back to bytes
         cfg["model"]["vocab"] = head + [[b, low] for b in _byte_tokens()] + rest
         cfg["model"]["unk_id"] = specials.index(_UNK)
         cfg["model"]["byte_fallback"] = True
@@ -705,15 +747,19 @@ def train_tokenizer(kind: str, corpus: Iterable[str], vocab_size: int, *,
 
     Deterministic for a given (kind, corpus, vocab_size) and cached on disk under ``cache_dir`` (default
     ``$MRL_JAX_CACHE/tokenizers`` or ``~/.cache/mrl_jax/tokenizers``): a second call loads the cached file.
-    ``vocab_size`` includes the special tokens (and the 256 byte-fallback tokens of the kinds that have them).
+    ``vocab_size`` is an upper bound that includes the special tokens and the 256 byte tokens (ByteLevel
+    alphabet or byte fallback) of every kind but "wordpiece"; too small a size raises ``ValueError``.
     """
     if kind not in TRAINABLE_KINDS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {TRAINABLE_KINDS}")
     corpus = [str(t) for t in corpus]
     if not corpus:
         raise ValueError("train_tokenizer: empty corpus")
-    if vocab_size < 8:
-        raise ValueError(f"train_tokenizer: vocab_size={vocab_size} is too small")
+    need = _MIN_VOCAB[kind]
+    if vocab_size < need:
+        raise ValueError(f"train_tokenizer: vocab_size={vocab_size} is too small for {kind!r}: it needs at least "
+                         f"{need} (256 byte tokens + special tokens + a few pieces)" if need > 8 else
+                         f"train_tokenizer: vocab_size={vocab_size} is too small (at least {need})")
     folder = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     key = _corpus_key(kind, corpus, vocab_size)
     file = folder / f"{kind}-{vocab_size}-{key}.json"

@@ -31,7 +31,12 @@ Host side (numpy, vectorised over the whole batch — no per-token Python loop):
   into one chunk), the chunks holding changed bytes get ``chunk_valid = False`` and the row is flagged
   (``src_roundtrip`` / ``dst_roundtrip``, ``normalized``, ``cut_mid_char``, ``src_unknown`` ...).
   The residual also reports the bytes in 1:1 chunks and tokens per chunk on both sides; mask
-  ``~chunk_valid`` in losses, and weigh how much of the text is not 1:1.
+  ``~chunk_valid`` in losses, and weigh how much of the text is not 1:1. WordPiece's space before a piece is a
+  decoding convention: a chunk whose only difference is such a space stays valid (the row still reports
+  ``*_roundtrip = False``). Rows that differ from the text take a per-row Python path (``difflib``, a few ms
+  per 256-token text); rows that round-trip never do.
+* Chunks are byte spans: two byte-level tokenizers that split the same character after the same byte have a
+  chunk boundary inside that character.
 
 Prompt vs completion. Only the **completion** text is shared; each consumer prepends its *own* prompt ids.
 The completion is aligned standalone: its first byte is a boundary on both sides (chunk 0 starts there),

@@ -1,19 +1,16 @@
-"""Host side of the THL: byte spans from the vocabulary, common boundaries, chunk ids, residual (numpy)."""
+"""Host side of the THL: common boundaries, chunk ids, padding and residual, vectorised over a batch (numpy)."""
 
 from __future__ import annotations
 
-import difflib
-import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from mrl_jax.tokenization import HASH_BASE, ByteTable, Tokenizer, powers, prefix_hashes
+from mrl_jax.thl._spans import _flatten, _map_row, _row_hashes, _Side, _side
+from mrl_jax.tokenization import ByteTable, Tokenizer
 
 __all__ = ["Alignment", "BatchAlignment", "align", "align_batch"]
-
-_SPACE = 0x20
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -25,7 +22,8 @@ class Alignment:
     """Alignment of one text between a source and a destination tokenization.
 
     ``src_ids: int32[Ts]``, ``dst_ids: int32[Td]``, ``src_chunk: int32[Ts]``, ``dst_chunk: int32[Td]``
-    (chunk ids ``0..num_chunks-1``, non-decreasing, every id used on both sides except in a zero-byte text),
+    (chunk ids ``0..num_chunks-1``, non-decreasing; every chunk holds tokens on both sides unless the text has
+    no byte or one side has no token),
     ``num_chunks``; per chunk: ``chunk_valid: bool[C]`` (the chunk's bytes are the text's bytes on both
     sides), ``chunk_one_to_one: bool[C]`` (exactly one token each side), ``chunk_start: int32[C]`` and
     ``chunk_bytes: int32[C]`` (byte span in the UTF-8 text). ``src_roundtrip`` / ``dst_roundtrip``: the
@@ -95,165 +93,6 @@ class BatchAlignment:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# inputs
-
-
-def _flatten(ids, lengths=None, mask=None) -> tuple[np.ndarray, np.ndarray]:
-    """(flat int64[M], row offsets int64[B+1]) from a list of sequences or a padded 2-D array."""
-    if (isinstance(ids, np.ndarray) and ids.ndim == 2) or lengths is not None or mask is not None:
-        arr = np.asarray(ids)
-        if arr.ndim != 2:
-            raise ValueError(f"padded ids must be 2-D [B, T], got shape {arr.shape}")
-        if mask is not None:
-            mask = np.asarray(mask, dtype=bool)
-            lengths = mask.sum(axis=1)
-        if lengths is None:
-            lengths = np.full(arr.shape[0], arr.shape[1])
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.min(initial=0) < 0 or lengths.max(initial=0) > arr.shape[1]:
-            raise ValueError("lengths out of range for the padded ids")
-        keep = np.arange(arr.shape[1])[None, :] < lengths[:, None]
-        flat = arr[keep].astype(np.int64)
-    else:
-        seqs = list(ids)
-        if seqs and all(isinstance(s, np.ndarray) for s in seqs):
-            lengths = np.fromiter((s.shape[0] for s in seqs), dtype=np.int64, count=len(seqs))
-            flat = np.concatenate([s.reshape(-1) for s in seqs]).astype(np.int64) if seqs else np.zeros(0, np.int64)
-        else:
-            lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-            flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
-    off = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return flat, off
-
-
-# ----------------------------------------------------------------------------------------------------------
-# one side: byte spans of the actual ids, checked against the text
-
-
-@dataclass
-class _Side:
-    ids: np.ndarray        # int64[M]
-    off: np.ndarray        # int64[B+1] token offsets of the rows
-    counts: np.ndarray     # int64[B]
-    L: np.ndarray          # int64[M] bytes of each token (after the dummy-prefix strip)
-    start: np.ndarray      # int64[M] global text position where the token starts (slow rows: carried)
-    end: np.ndarray        # int64[M] global text position where it ends (-1: not a usable boundary)
-    ok: np.ndarray         # bool[B] the tokens' bytes equal the text
-    stripped: np.ndarray   # bool[B] a dummy leading space was stripped
-    cut: np.ndarray        # bool[B] the tokens end inside a UTF-8 character
-
-
-_PW: list[np.ndarray] = [powers(1 << 16)]
-_PINV = np.uint64(pow(int(HASH_BASE), -1, 1 << 64))
-
-
-def _powers(n: int) -> np.ndarray:
-    """``HASH_BASE ** arange(>= n)`` (cached, grown geometrically)."""
-    pw = _PW[0]
-    if pw.shape[0] < n:
-        pw = powers(max(n, 2 * pw.shape[0]))
-        _PW[0] = pw
-    return pw
-
-
-def _side(table: ByteTable, ids: np.ndarray, off: np.ndarray, boff: np.ndarray, H: np.ndarray,
-          what: str) -> _Side:
-    """Byte spans of the actual ids from the vocabulary table; each row checked against the text's hash."""
-    B = off.shape[0] - 1
-    M = ids.shape[0]
-    if M and (int(ids.min()) < 0 or int(ids.max()) >= table.size):
-        bad = ids[(ids < 0) | (ids >= table.size)][0]
-        raise ValueError(f"{what} id {int(bad)} out of range for a vocabulary of {table.size}")
-    counts = np.diff(off)
-    L = table.lengths[ids].astype(np.int64)
-    cs = np.zeros(M + 1, dtype=np.int64)
-    np.cumsum(L, out=cs[1:])
-    rs = cs[off]
-    rowlen = np.diff(rs)
-    textlen = np.diff(boff)
-    h = table.hashes[ids]
-    stripped = np.zeros(B, dtype=bool)
-    if table.prefix_space:
-        cand = np.nonzero((rowlen == textlen + 1) & (counts > 0))[0]
-        if cand.size:
-            first = np.searchsorted(cs[1:], rs[cand], side="right")  # the row's first token with bytes
-            keep = table.first_byte[ids[first]] == _SPACE
-            cand, first = cand[keep], first[keep]
-            if cand.size:  # strip the dummy prefix: one space byte off that token
-                stripped[cand] = True
-                h[first] = (h[first] - np.uint64(_SPACE)) * _PINV
-                L[first] -= 1
-                np.cumsum(L, out=cs[1:])
-                rs = cs[off]
-                rowlen = np.diff(rs)
-    pw = _powers(int(boff[-1]) + int(cs[-1]) + 2)
-    start = cs[:-1] + np.repeat(boff[:-1] - rs[:-1], counts)  # stream position -> text position
-    pc = np.zeros(M + 1, dtype=np.uint64)
-    np.cumsum(h * pw[start], out=pc[1:])  # hash of the row's token bytes, placed at the row's text offset
-    ok = (rowlen == textlen) & (np.diff(pc[off]) == H[boff[1:]] - H[boff[:-1]])
-    return _Side(ids=ids, off=off, counts=counts, L=L, start=start, end=start + L, ok=ok, stripped=stripped,
-                 cut=np.zeros(B, dtype=bool))
-
-
-def _map_row(table: ByteTable, ids: np.ndarray, text: bytes, base: int, bad: np.ndarray, extra: list) -> tuple:
-    """Slow path for a row whose token bytes differ from the text: map token boundaries through the longest
-    common subsequence of (token bytes, text bytes); boundaries in changed regions are dropped (their tokens
-    merge into one chunk) and the changed text bytes are marked in ``bad``. Returns (byte lengths, start, end,
-    stripped, cut_mid_char) with text positions offset by ``base``."""
-    L = table.lengths[ids].astype(np.int64)
-    S = table.join(ids)
-    stripped = False
-    if table.prefix_space and S[:1] == b" " and (len(S) == len(text) + 1 or not text.startswith(b" ")):
-        nz = np.nonzero(L)[0]
-        L[nz[0]] -= 1
-        S = S[1:]
-        stripped = True
-    try:
-        S.decode("utf-8")
-        cut = False
-    except UnicodeDecodeError as e:
-        cut = e.reason == "unexpected end of data"
-    ends = np.cumsum(L)
-    n = len(text)
-    if ids.size == 0:
-        if n:
-            bad[base: base + n] = True
-        return L, ends, ends, stripped, cut
-    sm = difflib.SequenceMatcher(None, S, text, autojunk=False)
-    eq = [(i1, i2, j1) for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag == "equal"]
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():  # tags turn the token bytes S into the text
-        if tag in ("replace", "insert") and j2 > j1:  # text bytes the tokens do not spell
-            bad[base + j1: base + j2] = True
-        elif tag == "delete":  # token bytes that are not in the text
-            if table.space_optional and S[i1:i2].strip(b" ") == b"":
-                continue  # WordPiece's conventional space before a piece: not a change of the text
-            if n == 0:
-                extra.append(True)
-            else:
-                bad[base + max(j1 - 1, 0)] = True
-                bad[base + min(j1, n - 1)] = True
-    mapped = np.full(ends.shape[0], -1, dtype=np.int64)
-    if eq:
-        i1s, i2s, j1s = (np.array(x, dtype=np.int64) for x in zip(*eq))
-        k = np.searchsorted(i1s, ends, side="left") - 1  # blocks with i1 < q
-        kl = np.maximum(k, 0)
-        left_ok = (k >= 0) & (ends <= i2s[kl])
-        left = j1s[kl] + ends - i1s[kl]
-        k2 = np.searchsorted(i1s, ends, side="right") - 1  # blocks with i1 <= q
-        kr = np.maximum(k2, 0)
-        right_ok = (k2 >= 0) & (ends < i2s[kr])
-        right = j1s[kr] + ends - i1s[kr]
-        mapped = np.where(left_ok, left, np.where(right_ok, right, -1))
-        mapped[left_ok & right_ok & (left != right)] = -1
-    mapped[-1] = n
-    carried = np.maximum.accumulate(np.concatenate([[0], mapped[:-1]]))
-    start = carried + base
-    end = np.where(mapped >= 0, mapped + base, -1)
-    return L, start, end, stripped, cut
-
-
-# ----------------------------------------------------------------------------------------------------------
 # the alignment
 
 
@@ -265,13 +104,14 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
           dst_ids, dst_off, src_normalizes: bool, dst_normalizes: bool) -> dict:
     B = boff.shape[0] - 1
     N = tb.shape[0]
-    H = prefix_hashes(tb, _powers(N + 2))
+    text_hash = _row_hashes(tb, boff)
     bad = None
     extra_rows = np.zeros(B, dtype=bool)
     sides = []
     slow_any = False
-    for table, ids, off, what in ((src_table, src_ids, src_off, "source"), (dst_table, dst_ids, dst_off, "destination")):
-        side = _side(table, ids, off, boff, H, what)
+    for table, ids, off, what in ((src_table, src_ids, src_off, "source"),
+                                  (dst_table, dst_ids, dst_off, "destination")):
+        side = _side(table, ids, off, boff, text_hash, what)
         slow = np.nonzero(~side.ok)[0]
         if slow.size:
             slow_any = True
@@ -299,59 +139,85 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
     zs, zd = fixups(src), fixups(dst)
     messy = slow_any or zs.size > 0 or zd.size > 0
 
-    # common boundaries (global text positions) plus every row boundary -> C (sorted, unique)
-    se, de = src.end, dst.end
-    if slow_any:
-        se, de = se[se >= 0], de[de >= 0]
-    if de.size and se.size:
-        j = np.searchsorted(de, se)
-        np.minimum(j, de.size - 1, out=j)
-        common = se[de[j] == se]
+    # common boundaries (global text positions) plus every row boundary -> C (sorted, unique); k: the global
+    # byte chunk of each token (the number of C values <= its start, minus one)
+    if not slow_any:
+        # every row round-trips: the ends of the tokens with bytes increase strictly over the whole batch, the
+        # row ends are common ends, and a token's chunk counts the common ends before it (no binary search)
+        nzs = src.L > 0 if zs.size else slice(None)
+        nzd = dst.L > 0 if zd.size else slice(None)
+        se, de = src.end[nzs], dst.end[nzd]
+        mark = np.zeros(N + 1, dtype=bool)  # positions are bytes of the batch: membership by bitmap
+        mark[de] = True
+        m_s = mark[se]
+        mark[:] = False
+        mark[se] = True
+        m_d = mark[de]
+        common = se[m_s]
+        C = np.concatenate([[0], common]) if not (common.size and common[0] == 0) else common
+        k_sd = []
+        for side, idx, nz, m in ((src, zs, nzs, m_s), (dst, zd, nzd, m_d)):
+            kc = np.cumsum(m) - m
+            if idx.size:
+                k = np.empty(side.ids.shape[0], dtype=np.int64)
+                k[nz] = kc
+                k[idx] = np.searchsorted(C, side.start[idx], side="right") - 1
+            else:
+                k = kc.astype(np.int64)
+            k_sd.append(k)
+        jb = np.minimum(np.searchsorted(C, boff), C.size - 1)
+        if (C[jb] != boff).any():  # cannot happen when every row round-trips; stay safe
+            C = np.unique(np.concatenate([C, boff]))
+            k_sd = [np.searchsorted(C, side.start, side="right") - 1 for side in (src, dst)]
     else:
-        common = se[:0]
-    if messy and common.size > 1:
-        common = common[np.concatenate([[True], common[1:] != common[:-1]])]
-    if common.size:
-        jb = np.minimum(np.searchsorted(common, boff), common.size - 1)
-        missing = boff[common[jb] != boff]
-    else:
-        missing = boff
-    if missing.size and (not common.size or missing[-1] < common[0]):
-        C = np.concatenate([np.unique(missing), common])
-    elif missing.size:
-        C = np.unique(np.concatenate([common, missing]))
-    else:
-        C = common
+        se, de = src.end[src.end >= 0], dst.end[dst.end >= 0]
+        if de.size and se.size:
+            j = np.searchsorted(de, se)
+            np.minimum(j, de.size - 1, out=j)
+            common = se[de[j] == se]
+        else:
+            common = se[:0]
+        C = np.unique(np.concatenate([common, boff]))
+        k_sd = [np.searchsorted(C, side.start, side="right") - 1 for side in (src, dst)]
+    k_src, k_dst = k_sd
     fc = np.searchsorted(C, boff[:-1], side="left")
     nbc = np.searchsorted(C, boff[1:], side="left") - fc  # byte chunks per row
     ns, nd = src.counts, dst.counts
 
     # zero-byte special runs at the start / end of a row on both sides get chunks of their own
     def runs(side: _Side, idx: np.ndarray, table: ByteTable):
+        """For the fix-up tokens: row, in the row's leading run of zero-byte specials, in its trailing run."""
         r = np.searchsorted(side.off, idx, side="right") - 1
         zsp = (side.L[idx] == 0) & table.special[side.ids[idx]]
-        lead = zsp & (side.start[idx] == boff[r])
-        trail = zsp & (side.start[idx] == boff[r + 1]) & ~lead
+        p, rr = idx[zsp], r[zsp]
+        first = np.searchsorted(rr, rr, side="left")
+        rank = np.arange(p.size) - first  # rank among the row's zero-byte specials
+        n_in_row = np.searchsorted(rr, rr, side="right") - first
+        lead, trail = np.zeros(idx.size, dtype=bool), np.zeros(idx.size, dtype=bool)
+        lead[zsp] = p - side.off[rr] == rank
+        trail[zsp] = (side.off[rr + 1] - 1 - p == n_in_row - 1 - rank)
+        trail &= ~lead
         return r, lead, trail
 
     rs_, lead_s, trail_s = runs(src, zs, src_table)
     rd_, lead_d, trail_d = runs(dst, zd, dst_table)
     has_lead = np.zeros(B, dtype=bool)
     has_trail = np.zeros(B, dtype=bool)
-    if messy:
-        has_lead[np.intersect1d(rs_[lead_s], rd_[lead_d])] = True
-        has_trail[np.intersect1d(rs_[trail_s], rd_[trail_d])] = True
-        has_lead &= nbc > 0
-        has_trail &= nbc > 0
-    nchunks = np.where(nbc > 0, nbc + has_lead + has_trail, ((ns + nd) > 0).astype(np.int64))
+    if messy:  # ... in rows that round-trip on both sides, provided both sides keep tokens for the byte chunks
+        nls, nld = np.bincount(rs_[lead_s], minlength=B), np.bincount(rd_[lead_d], minlength=B)
+        nts, ntd = np.bincount(rs_[trail_s], minlength=B), np.bincount(rd_[trail_d], minlength=B)
+        clean = src.ok & dst.ok & (nbc > 0)
+        has_lead = clean & (nls > 0) & (nld > 0) & (nls < ns) & (nld < nd)
+        has_trail = clean & (nts > 0) & (ntd > 0) & (nts + nls * has_lead < ns) & (ntd + nld * has_lead < nd)
+    # a text without tokens on either side has no chunk; a zero-byte text with tokens has one
+    nchunks = np.where(ns + nd == 0, 0, np.where(nbc > 0, nbc + has_lead + has_trail, 1))
     cbase = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(nchunks, out=cbase[1:])
     K = int(cbase[-1])
     any_extra = bool((nchunks != nbc).any())
     any_lead = bool(has_lead.any())
 
-    def chunk_ids(side: _Side, idx, r, lead, trail):
-        k = np.searchsorted(C, side.start, side="right") - 1  # global byte chunk
+    def chunk_ids(side: _Side, k, idx, r, lead, trail):
         local = k - _repeat(fc, side.counts)
         if any_lead:
             local += _repeat(has_lead, side.counts)
@@ -368,8 +234,8 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
             g[idx] = local[idx] + cbase[r]
         return local, g
 
-    src_local, src_g = chunk_ids(src, zs, rs_, lead_s, trail_s)
-    dst_local, dst_g = chunk_ids(dst, zd, rd_, lead_d, trail_d)
+    src_local, src_g = chunk_ids(src, k_src, zs, rs_, lead_s, trail_s)
+    dst_local, dst_g = chunk_ids(dst, k_dst, zd, rd_, lead_d, trail_d)
 
     # per-chunk arrays, flat over the batch: row r's chunks are cbase[r] .. cbase[r+1]-1
     if any_extra:
@@ -378,7 +244,8 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
         if C.size > 1:
             brow = _repeat(np.arange(B), nbc)
             gb = cbase[:-1][brow] + has_lead[brow] + (np.arange(C.size - 1) - fc[brow])
-            cstart[gb], cend[gb] = C[:-1], C[1:]
+            used = nchunks[brow] > 0
+            cstart[gb[used]], cend[gb[used]] = C[:-1][used], C[1:][used]
         tr = np.nonzero(has_trail)[0]
         cstart[cbase[1:][tr] - 1] = boff[1:][tr]
         cend[cbase[1:][tr] - 1] = boff[1:][tr]
@@ -415,7 +282,7 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
         "bytes_one_to_one": b11,
         "frac_bytes_one_to_one": np.where(textlen > 0, b11 / np.maximum(textlen, 1), 1.0),
         "chunks_one_to_one": per_row(one),
-        "invalid_bytes": per_row(np.where(valid, 0, cbytes)),
+        "invalid_bytes": per_row(np.where(valid, 0, cbytes)) + np.where(nchunks == 0, textlen, 0),
         "invalid_chunks": per_row(~valid),
         "src_tokens_per_chunk": ns / np.maximum(nchunks, 1), "dst_tokens_per_chunk": nd / np.maximum(nchunks, 1),
         "src_special": count(rs_, src_table.special[src.ids[zs]]),
@@ -454,14 +321,20 @@ def _metrics(res: dict) -> dict:
     }
 
 
-def _pad(flat: np.ndarray, off: np.ndarray, width: int, fill) -> tuple[np.ndarray, np.ndarray]:
+def _pad(off: np.ndarray, width: int, *arrays_fills) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Scatter flat per-row arrays into ``[B, width]`` (rows cut at ``width``). Returns (mask, padded arrays)."""
     B = off.shape[0] - 1
     lengths = np.diff(off)
-    out = np.full((B, width), fill, dtype=np.int32)
     mask = np.arange(width)[None, :] < np.minimum(lengths, width)[:, None]
-    keep = (np.arange(flat.shape[0]) - np.repeat(off[:-1], lengths)) < width
-    out[mask] = flat[keep]
-    return out, mask
+    keep = None
+    if lengths.max(initial=0) > width:
+        keep = (np.arange(off[-1]) - np.repeat(off[:-1], lengths)) < width
+    outs = []
+    for flat, fill in arrays_fills:
+        out = np.full((B, width), fill, dtype=np.int32)
+        out[mask] = flat if keep is None else flat[keep]
+        outs.append(out)
+    return mask, outs
 
 
 def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: Tokenizer, src_ids_list=None,
@@ -504,12 +377,8 @@ def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: T
     Td = max_dst_len if max_dst_len is not None else max(int(nd.max(initial=0)), 1)
     spad = src_tokenizer.pad_id if src_tokenizer.pad_id is not None else 0
     dpad = dst_tokenizer.pad_id if dst_tokenizer.pad_id is not None else 0
-    src_ids, src_m = _pad(s_flat, s_off, Ts, spad)
-    dst_ids, dst_m = _pad(d_flat, d_off, Td, dpad)
-    src_chunk, _ = _pad(out["src_chunk"], s_off, Ts, -1)
-    dst_chunk, _ = _pad(out["dst_chunk"], d_off, Td, -1)
-    src_chunk[~src_m] = -1
-    dst_chunk[~dst_m] = -1
+    src_m, (src_ids, src_chunk) = _pad(s_off, Ts, (s_flat, spad), (out["src_chunk"], -1))
+    dst_m, (dst_ids, dst_chunk) = _pad(d_off, Td, (d_flat, dpad), (out["dst_chunk"], -1))
 
     # truncation: a chunk is complete on a side iff it is below the chunk of that side's first cut token
     truncated = (ns > Ts) | (nd > Td)
@@ -547,7 +416,7 @@ def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: T
         src_ids=src_ids, src_chunk=src_chunk, src_mask=src_m, src_lengths=np.minimum(ns, Ts).astype(np.int32),
         dst_ids=dst_ids, dst_chunk=dst_chunk, dst_mask=dst_m, dst_lengths=np.minimum(nd, Td).astype(np.int32),
         num_chunks=nkeep.astype(np.int32), chunk_valid=chunk_valid, chunk_one_to_one=chunk_one,
-        chunk_start=take(out["cstart"], 0).astype(np.int32),
+        chunk_start=np.where(cmask, take(out["cstart"], 0) - boff[:-1, None], 0).astype(np.int32),
         chunk_bytes=take(out["cbytes"], 0).astype(np.int32), truncated=truncated, residual=residual,
         metrics=_metrics(residual))
 
