@@ -4,13 +4,15 @@ Environment. Each context has a small *correct set* (1 or 2 arms). A verified re
 r ~ Bernoulli(q[c, a]) with q = ``correct_prob`` (1.0 by default: deterministic 0/1 verification) on correct
 arms and 0 elsewhere, so a success (r = 1) is always a correct arm.
 
-Policies. Policy n is a softmax ``pi_n(a | c) = softmax(b_n[c] + Phi_n theta_n[c])`` with a fixed prior
-``b_n`` (what pre-training gave it), trainable per-context parameters ``theta_n[c]`` (initialised at 0) and
-a feature map ``Phi_n`` [K, d_n] — the bandit analogue of different architectures and tokenizers:
-``tabular`` (Phi = I: every arm moves alone), ``gaussian`` (random Gaussian features, d = 2K: a random
-kernel Phi Phi^T couples arms), ``fourier`` (random Fourier features of a 1-D arm position, d = 2K:
-neighbouring arms generalise to each other). Parameters are per context, so nothing learned on one context
-moves another (an update can only change the context it was computed on).
+Policies. Policy n is a softmax ``pi_n(a | c) = softmax(b_n[c] + Phi_n (mix_n theta_n)[c])`` with a fixed prior
+``b_n`` (what pre-training gave it), trainable parameters ``theta_n`` (initialised at 0) and
+a feature map ``Phi_n`` [K, D] — the bandit analogue of different architectures and tokenizers:
+``tabular`` (Phi = [I, 0]: every arm moves alone), ``gaussian`` (random Gaussian features: a random
+kernel Phi Phi^T couples arms), ``fourier`` (random Fourier features of a 1-D arm position: neighbouring
+arms generalise to each other). All maps have D = feature_ratio * K columns (the tabular one is padded
+with zero columns, which never move), so the N policies stack into one parameter array theta f32[N, C, D].
+By default parameters are per context (an update only moves the context it was computed on);
+``context_sharing`` > 0 mixes them across contexts (shared parameters: transfer and interference).
 
 Sampling support. Rollouts are drawn from the min-p truncated policy (as LLM decoders truncate with
 top-p / min-p): ``mu_n(a|c) ∝ pi_n(a|c) * [pi_n(a|c) >= min_p * max_b pi_n(b|c)]``. An arm below the threshold
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Literal, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,7 @@ class EnvConfig:
     """The bandit and its policies (every field documented; loadable from YAML via mrl_jax.configs)."""
 
     num_arms: int = field(8, help="K: arms per context")
-    policies: tuple = field(("tabular", "gaussian", "fourier"),
+    policies: tuple[str, ...] = field(("tabular", "gaussian", "fourier"),
                             help="feature map of each policy (N = len): tabular | gaussian | fourier")
     contexts_per_tuple: int = field(1, help="contexts per kind tuple (C = (3^N - 1) * this)")
     two_correct_frac: float = field(0.3, help="fraction of contexts whose correct set has 2 arms (else 1)")
@@ -55,10 +57,14 @@ class EnvConfig:
     easy_mass: float = field(0.45, help="raw prior mass on the correct set of an easy context")
     hard_mass: float = field(0.05, help="raw prior mass on the correct set of a hard context")
     oos_margin: float = field(2.0, help="nats by which every correct logit sits below the min-p threshold "
-                                        "on an out-of-support context")
+                                        "on an out-of-support context (with min_p = 0: below the threshold "
+                                        "min_p = 0.02 would set, so the raw mass is the same)")
     min_p: float = field(0.02, help="sampler keeps arms with pi >= min_p * max pi (0 = plain softmax)")
     prior_scale: float = field(1.0, help="std of the wrong arms' prior logits")
     feature_ratio: int = field(2, help="d = feature_ratio * K for the gaussian and fourier maps")
+    context_sharing: float = field(0.0, help="s in [0, 1]: context c's parameters are ((1-s) I + s W_n) theta_n "
+                                             "with W_n a random Gaussian C x C / sqrt(C) mixing per policy; 0 = "
+                                             "separate per-context parameters (an update only moves its context)")
     seed: int = field(0, help="seed of the environment (correct sets, priors, feature maps)")
 
     def __post_init__(self):
@@ -74,18 +80,20 @@ class EnvConfig:
         check(0.0 <= self.min_p < 1.0, "min_p", f"must be in [0, 1), got {self.min_p}")
         check(self.oos_margin > 0, "oos_margin", "must be > 0")
         check(self.feature_ratio >= 1, "feature_ratio", "must be >= 1")
+        check(0.0 <= self.context_sharing <= 1.0, "context_sharing", "must be in [0, 1]")
 
 
 @struct.dataclass
 class Env:
     """A built bandit. q f32[C, K] success probability per arm; correct bool[C, K]; kinds int32[N, C]
-    (EASY/HARD/OOS of each context for each policy); prior f32[N, C, K]; phis: tuple of f32[K, d_n];
-    min_p: sampler threshold."""
+    (EASY/HARD/OOS of each context for each policy); prior f32[N, C, K]; phis f32[N, K, D] feature maps;
+    mix f32[N, C, C] context sharing (identity = separate parameters); min_p: sampler threshold."""
     q: jax.Array
     correct: jax.Array
     kinds: jax.Array
     prior: jax.Array
-    phis: tuple
+    phis: jax.Array
+    mix: jax.Array
     min_p: float = struct.field(pytree_node=False, default=0.0)
     names: tuple = struct.field(pytree_node=False, default=())
 
@@ -103,9 +111,9 @@ class Env:
 
 
 def feature_map(kind: str, K: int, d: int, rng: np.random.Generator) -> np.ndarray:
-    """Phi f32[K, d] (tabular: the identity, d = K)."""
+    """Phi f32[K, d] (tabular: the identity padded with zero columns; d >= K)."""
     if kind == "tabular":
-        return np.eye(K, dtype=np.float32)
+        return np.eye(K, d, dtype=np.float32)
     if kind == "gaussian":
         return (rng.standard_normal((K, d)) / np.sqrt(d)).astype(np.float32)
     x = rng.permutation(K) / K                                     # arm positions on a circle
@@ -136,7 +144,7 @@ def make_env(cfg: EnvConfig, kind_tuples: Sequence[Sequence[int]] | None = None)
         correct[c, rng.choice(K, n_corr, replace=False)] = True
     q = np.where(correct, cfg.correct_prob, 0.0).astype(np.float32)
     prior = np.zeros((N, C, K), np.float32)
-    log_min_p = np.log(cfg.min_p) if cfg.min_p > 0 else -12.0
+    log_min_p = np.log(cfg.min_p if cfg.min_p > 0 else 0.02)
     for n in range(N):
         for c in range(C):
             wrong = rng.standard_normal(K) * cfg.prior_scale
@@ -150,25 +158,30 @@ def make_env(cfg: EnvConfig, kind_tuples: Sequence[Sequence[int]] | None = None)
                 x = np.log(mass * rest / (m.sum() * (1.0 - mass)))
                 z[m] = x + rng.uniform(-0.1, 0.1, m.sum())
             prior[n, c] = z - z.max()
-    phis = tuple(jnp.asarray(feature_map(kind, K, K * cfg.feature_ratio, rng)) for kind in cfg.policies)
+    phis = jnp.asarray(np.stack([feature_map(kind, K, K * cfg.feature_ratio, rng) for kind in cfg.policies]))
+    eye = np.eye(C, dtype=np.float32)
+    mix = np.stack([eye if cfg.context_sharing == 0 else
+                    (1 - cfg.context_sharing) * eye + cfg.context_sharing * rng.standard_normal((C, C)) / np.sqrt(C)
+                    for _ in cfg.policies]).astype(np.float32)
     return Env(q=jnp.asarray(q), correct=jnp.asarray(correct), kinds=jnp.asarray(kinds),
-               prior=jnp.asarray(prior), phis=phis, min_p=float(cfg.min_p), names=tuple(cfg.policies))
+               prior=jnp.asarray(prior), phis=phis, mix=jnp.asarray(mix), min_p=float(cfg.min_p),
+               names=tuple(cfg.policies))
 
 
 # ----------------------------------------------------------------------------- policies
 
-def init_params(env: Env) -> tuple:
-    """theta_n f32[C, d_n] = 0 for every policy (the policy starts at its prior)."""
-    return tuple(jnp.zeros((env.num_contexts, phi.shape[1]), jnp.float32) for phi in env.phis)
+def init_params(env: Env) -> jax.Array:
+    """theta f32[N, C, D] = 0 (every policy starts at its prior)."""
+    return jnp.zeros((env.num_policies, env.num_contexts, env.phis.shape[2]), jnp.float32)
 
 
-def logits(env: Env, n: int, theta: jax.Array) -> jax.Array:
-    """Raw logits f32[C, K] of policy n: prior + theta @ Phi^T."""
-    return env.prior[n] + theta @ env.phis[n].T
+def logits(env: Env, n, theta: jax.Array) -> jax.Array:
+    """Raw logits f32[C, K] of policy n (int or traced): prior + (mix_n theta_n) Phi_n^T. theta f32[C, D]."""
+    return env.prior[n] + (env.mix[n] @ theta) @ env.phis[n].T
 
 
-def log_probs(env: Env, n: int, theta: jax.Array) -> jax.Array:
-    """log pi_n(a | c) f32[C, K] (raw, untruncated; what the losses differentiate)."""
+def log_probs(env: Env, n, theta: jax.Array) -> jax.Array:
+    """log pi_n(a | c) f32[C, K] (raw, untruncated; what the losses differentiate). theta f32[C, D]."""
     return jax.nn.log_softmax(logits(env, n, theta), axis=-1)
 
 
@@ -190,9 +203,10 @@ def sampler_probs(logp: jax.Array, min_p: float) -> jax.Array:
     return jax.nn.softmax(sampler_logits(logp, min_p), axis=-1)
 
 
-def all_log_probs(env: Env, params: Sequence[jax.Array]) -> jax.Array:
-    """f32[N, C, K] raw log-probs of every policy."""
-    return jnp.stack([log_probs(env, n, th) for n, th in enumerate(params)])
+def all_log_probs(env: Env, params: jax.Array) -> jax.Array:
+    """f32[N, C, K] raw log-probs of every policy; params f32[N, C, D]."""
+    eff = jnp.einsum("nce,ned->ncd", env.mix, params)
+    return jax.nn.log_softmax(env.prior + jnp.einsum("ncd,nkd->nck", eff, env.phis), axis=-1)
 
 
 def success(env: Env, logp: jax.Array) -> jax.Array:

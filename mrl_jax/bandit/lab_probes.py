@@ -68,7 +68,11 @@ LAB_PROBES: dict[str, LabProbe] = {
     "sgt": LabProbe("sgt", sgt=True),
     "sgt_gate": LabProbe("sgt_gate", sgt=True, sgt_gate=True),
     "xgrpo_sgt": LabProbe("xgrpo_sgt", pooled=True, sgt=True),
+    # extra configurations (not in the default comparison; see experiments/bandit/variants.py)
+    "prp_raw": LabProbe("prp_raw", pooled=True, prp=True, prp_mode="none"),          # untruncated weights
+    "sgt_lam1": LabProbe("sgt_lam1", sgt=True, lam=1.0),
 }
+DEFAULT_PROBES = ("none", "xgrpo", "prp", "prp_shaping", "prp_gate", "sgt", "sgt_gate", "xgrpo_sgt")
 
 
 def get(name_or_spec, **overrides) -> LabProbe:

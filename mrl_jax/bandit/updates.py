@@ -13,7 +13,8 @@ loss terms, each divided by its full-batch denominator; the direction is minus i
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from mrl_jax.bandit import env as E
 from mrl_jax.bandit.lab_probes import LabProbe
 
 TAU = 1.0
+_HAS_PROBE_INDEX = "probe_index" in {f.name for f in dataclasses.fields(P.Rows)}
 
 
 @struct.dataclass
@@ -68,47 +70,77 @@ def sample_round(env: E.Env, logp: jax.Array, G: int, key: jax.Array, drop: floa
     return Round(arms.astype(jnp.int32), rewards, noise, valid)
 
 
-def peer_stats(rewards: jax.Array, consumer: int) -> jax.Array:
+def peer_stats(rewards: jax.Array, consumer) -> jax.Array:
     """GroupStats-style [C, N, 4] (count, sum r, sum r^2, successes) of this round, consumer column zero."""
     N, C, G = rewards.shape
     st = jnp.stack([jnp.full((N, C), float(G)), rewards.sum(-1), (rewards ** 2).sum(-1),
                     (rewards >= TAU).sum(-1).astype(jnp.float32)], axis=-1)          # [N, C, 4]
-    st = st.at[consumer].set(0.0)
+    st = jnp.where((jnp.arange(N) == consumer)[:, None, None], 0.0, st)
     return st.transpose(1, 0, 2)
 
 
-def build_rows(env: E.Env, consumer: int, logp: jax.Array, rnd: Round, sigma, with_peers: bool):
-    """(Batch, View) for consumer i: own rows and a view of every peer's rollouts on the same contexts."""
+def peers_of(consumer, N: int) -> jax.Array:
+    """int32[N-1]: the other policies, in cyclic order after the consumer (consumer may be traced)."""
+    return (consumer + 1 + jnp.arange(N - 1, dtype=jnp.int32)) % N
+
+
+def build_rows(env: E.Env, consumer, logp: jax.Array, rnd: Round, sigma, with_peers: bool, probe_index=0):
+    """(Rows, View) for consumer i (int or traced), laid out as the learner lays them out
+    (``mrl_jax.learner.assemble_rows``): own rows (C*G, prompt-major, active) then the view's (N-1)*G
+    peer slots per prompt (inactive until a probe's extend activates them). One token per row (the arm),
+    one THL chunk per peer row."""
     N, C, G = rnd.arms.shape
-    i = consumer
-    own_arms = rnd.arms[i].reshape(C * G, 1)
-    own_lp = jnp.take_along_axis(logp[i], rnd.arms[i], axis=-1).reshape(C * G, 1)
-    batch = P.Batch(prompt_ids=jnp.arange(C, dtype=jnp.int32)[:, None], prompt_mask=jnp.ones((C, 1), bool),
-                    completion_ids=own_arms, completion_mask=jnp.ones((C * G, 1), jnp.float32),
-                    old_logp=jax.lax.stop_gradient(own_lp), ref_logp=jnp.zeros((C * G, 1), jnp.float32),
-                    rewards=rnd.rewards[i].reshape(-1), truncated=jnp.zeros((C * G,), bool))
-    peers = [j for j in range(N) if j != i]
-    Kp = len(peers) * G
-    if peers and with_peers:
-        arms = jnp.stack([rnd.arms[j] for j in peers], 1).reshape(C * Kp)           # [C, N-1, G] -> s = c*Kp+k
-        src_lp = jnp.stack([jnp.take_along_axis(logp[j], rnd.arms[j], -1) + sigma * rnd.noise[i, j]
-                            for j in peers], 1).reshape(C * Kp, 1)
-        valid = jnp.stack([rnd.valid[i, j] for j in peers], 1).reshape(C * Kp, 1)
-        rew = jnp.stack([rnd.rewards[j] for j in peers], 1).reshape(C * Kp)
-        src = jnp.broadcast_to(jnp.asarray(peers, jnp.int32)[None, :, None], (C, len(peers), G)).reshape(-1)
-        S = C * Kp
-        view = View(ids=arms[:, None], mask=jnp.ones((S, 1), jnp.float32), dst_chunk=jnp.zeros((S, 1), jnp.int32),
-                    src_chunk_logp=jax.lax.stop_gradient(src_lp), chunk_valid=valid, rewards=rew, source=src,
+    i = jnp.asarray(consumer, jnp.int32)
+    n = C * G
+    own_arms = rnd.arms[i]
+    own_lp = jnp.take_along_axis(logp[i], own_arms, axis=-1).reshape(n, 1)
+    slot_own = jnp.repeat(jnp.arange(C, dtype=jnp.int32), G)
+    own = dict(
+        prompt_ids=slot_own[:, None], prompt_mask=jnp.ones((n, 1), bool),
+        completion_ids=own_arms.reshape(n, 1), completion_mask=jnp.ones((n, 1), jnp.float32),
+        old_logp=jax.lax.stop_gradient(own_lp), ref_logp=jnp.zeros((n, 1), jnp.float32),
+        rewards=rnd.rewards[i].reshape(-1), truncated=jnp.zeros((n,), bool),
+        row_kind=jnp.full((n,), P.OWN, jnp.int32), prompt_slot=slot_own,
+        source=jnp.full((n,), i, jnp.int32), dst_chunk=jnp.full((n, 1), -1, jnp.int32),
+        src_chunk_logp=jnp.zeros((n, 1), jnp.float32), chunk_valid=jnp.zeros((n, 1), bool),
+        pg_row=jnp.ones((n,), jnp.float32), pg_mask=jnp.ones((n, 1), jnp.float32),
+        pg_weight=jnp.ones((n, 1), jnp.float32), shaping=jnp.zeros((n,), bool),
+        sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32))
+    Kp = (N - 1) * G
+    S = C * Kp if with_peers else 0
+    stats = peer_stats(rnd.rewards, i)
+    if S:
+        pj = peers_of(i, N)
+        flat = lambda x: jnp.swapaxes(x, 0, 1).reshape((S,) + x.shape[3:])      # [N-1, C, G] -> s = c*Kp + k
+        arms = rnd.arms[pj]
+        src_lp = jnp.take_along_axis(logp[pj], arms, -1) + sigma * rnd.noise[i, pj]
+        view = View(ids=flat(arms)[:, None], mask=jnp.ones((S, 1), jnp.float32),
+                    dst_chunk=jnp.zeros((S, 1), jnp.int32),
+                    src_chunk_logp=jax.lax.stop_gradient(flat(src_lp))[:, None],
+                    chunk_valid=flat(rnd.valid[i, pj])[:, None], rewards=flat(rnd.rewards[pj]),
+                    source=flat(jnp.broadcast_to(pj[:, None, None], arms.shape)),
                     kind=jnp.full((S,), P.PEER, jnp.int32),
                     prompt_slot=jnp.repeat(jnp.arange(C, dtype=jnp.int32), Kp), truncated=jnp.zeros((S,), bool),
-                    peer_stats=peer_stats(rnd.rewards, i), consumer=jnp.int32(i), tau=jnp.float32(TAU))
+                    peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
+        peer = dict(
+            prompt_ids=view.prompt_slot[:, None], prompt_mask=jnp.ones((S, 1), bool), completion_ids=view.ids,
+            completion_mask=view.mask, old_logp=jnp.zeros((S, 1), jnp.float32),
+            ref_logp=jnp.zeros((S, 1), jnp.float32), rewards=view.rewards, truncated=view.truncated,
+            row_kind=view.kind, prompt_slot=view.prompt_slot, source=view.source, dst_chunk=view.dst_chunk,
+            src_chunk_logp=view.src_chunk_logp, chunk_valid=view.chunk_valid, pg_row=jnp.zeros((S,), jnp.float32),
+            pg_mask=jnp.zeros((S, 1), jnp.float32), pg_weight=jnp.zeros((S, 1), jnp.float32),
+            shaping=jnp.zeros((S,), bool), sft_weight=jnp.zeros((S,), jnp.float32),
+            advantages=jnp.zeros((S,), jnp.float32))
+        own = {k: jnp.concatenate([own[k], peer[k]], axis=0) for k in own}
     else:
-        view = View(ids=jnp.zeros((0, 1), jnp.int32), mask=jnp.zeros((0, 1)), dst_chunk=jnp.zeros((0, 1), jnp.int32),
-                    src_chunk_logp=jnp.zeros((0, 1)), chunk_valid=jnp.zeros((0, 1), bool), rewards=jnp.zeros((0,)),
-                    source=jnp.zeros((0,), jnp.int32), kind=jnp.zeros((0,), jnp.int32),
-                    prompt_slot=jnp.zeros((0,), jnp.int32), truncated=jnp.zeros((0,), bool),
-                    peer_stats=peer_stats(rnd.rewards, i), consumer=jnp.int32(i), tau=jnp.float32(TAU))
-    return batch, view
+        z = jnp.zeros((0, 1))
+        view = View(ids=z.astype(jnp.int32), mask=z, dst_chunk=z.astype(jnp.int32), src_chunk_logp=z,
+                    chunk_valid=z.astype(bool), rewards=jnp.zeros((0,)), source=jnp.zeros((0,), jnp.int32),
+                    kind=jnp.zeros((0,), jnp.int32), prompt_slot=jnp.zeros((0,), jnp.int32),
+                    truncated=jnp.zeros((0,), bool), peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
+    extra = {"probe_index": jnp.asarray(probe_index, jnp.int32)} if _HAS_PROBE_INDEX else {}
+    rows = P.Rows(**own, consumer=i, metrics={}, num_prompts=C, num_generations=G, **extra)
+    return rows, view
 
 
 def rows_logp(logp_i: jax.Array, rows: P.Rows) -> jax.Array:
@@ -116,31 +148,32 @@ def rows_logp(logp_i: jax.Array, rows: P.Rows) -> jax.Array:
     return grpo.token_logprobs(logp_i[rows.prompt_slot][:, None, :], rows.completion_ids)
 
 
-def pg_term(logp: jax.Array, rows: P.Rows, gamma: float = 0.1):
+def pg_term(logp: jax.Array, rows: P.Rows, shaping: bool = False, gamma: float = 0.1):
     """The learner's GRPO policy term on the rows (``mrl_jax.learner.pg_term`` with beta = 0, loss_type
-    "grpo"): clipped surrogate with PG weights/masks/row counts, LUFFY shaping on shaping rows."""
-    C = rows.src_chunk_logp.shape[1]
-    cl = P.chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
+    "grpo"): clipped surrogate with PG weights/masks/row counts; LUFFY shaping on shaping rows when the
+    probe uses it."""
+    kw = {}
+    if shaping:
+        C = rows.src_chunk_logp.shape[1]
+        cl = P.chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
+        kw = dict(shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
+                  shaping_logratio=P.chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk), shaping_gamma=gamma)
     return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=0.2, loss_type="grpo",
-                            weights=rows.pg_weight, row_valid=rows.pg_row,
-                            shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
-                            shaping_logratio=P.chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk),
-                            shaping_gamma=gamma)
+                            weights=rows.pg_weight, row_valid=rows.pg_row, **kw)
 
 
 def prepare_rows(env: E.Env, spec: LabProbe, probe: P.Probe, consumer: int, logp: jax.Array, rnd: Round,
                  sigma, key: jax.Array) -> tuple[P.Rows, View]:
     """Rows after extend and advantages (what the learner differentiates), and the view."""
-    batch, view = build_rows(env, consumer, logp, rnd, sigma, probe.needs_peers)
-    rows = P.assemble_rows(batch, view if probe.needs_peers else None)
-    n_own = batch.rewards.shape[0]
+    rows, view = build_rows(env, consumer, logp, rnd, sigma, probe.needs_peers)
+    C, G = rows.num_prompts, rows.num_generations
+    n_own = C * G
     R = rows.rewards.shape[0]
     if probe.needs_peers and probe.needs_peer_logp and R > n_own:
         lp = jax.lax.stop_gradient(rows_logp(logp[consumer], rows))
         rows = rows.replace(old_logp=rows.old_logp.at[n_own:].set(lp[n_own:]))
     rows = probe.extend(rows, view, key)
-    C, G = batch.num_prompts, batch.num_generations
-    adv0 = grpo.group_advantages(batch.rewards.reshape(C, G)).reshape(-1)
+    adv0 = grpo.group_advantages(rnd.rewards[consumer]).reshape(-1)
     adv = jnp.concatenate([adv0, jnp.zeros((R - n_own,), jnp.float32)])
     adv = probe.advantages(rows.rewards, rows, view, adv)
     return rows.replace(advantages=adv), view
@@ -152,36 +185,46 @@ def loss_and_metrics(env: E.Env, spec: LabProbe, probe: P.Probe, consumer: int, 
     rows, _ = prepare_rows(env, spec, probe, consumer, logp, rnd, sigma, key)
     probe_metrics = rows.metrics
     rows = rows.replace(metrics={})
-    _, pg_den, _ = pg_term(rows.old_logp, rows, spec.gamma)
+    shaping = bool(getattr(probe, "uses_shaping", spec.prp_mode == "shaping"))
+    _, pg_den, _ = pg_term(rows.old_logp, rows, shaping, spec.gamma)
     _, t_den, _ = probe.loss_terms(rows.old_logp, rows)
     pg_den = jax.lax.stop_gradient(jnp.maximum(pg_den, 1e-30))
     t_den = jax.lax.stop_gradient(jnp.maximum(t_den, 1e-30))
     lp = rows_logp(E.log_probs(env, consumer, theta_i), rows)
-    s, _, _ = pg_term(lp, rows, spec.gamma)
+    s, _, _ = pg_term(lp, rows, shaping, spec.gamma)
     ts, _, _ = probe.loss_terms(lp, rows)
     loss = s / pg_den + jnp.sum(ts / t_den)
     return loss, grpo.reduce_metrics(probe_metrics)
 
 
-def sampled_directions(env: E.Env, spec: LabProbe, params: Sequence[jax.Array], key: jax.Array, G: int,
-                       sigma=0.0, drop: float = 0.0, probe: P.Probe | None = None):
-    """Update directions u_i = -grad_theta_i loss_i for every policy from ONE sampled round, and metrics
-    (a list of dicts, one per policy). Pure; vmap over keys for Monte Carlo."""
+def round_directions(env: E.Env, spec: LabProbe, params: jax.Array, rnd: Round, key: jax.Array, sigma=0.0,
+                     probe: P.Probe | None = None):
+    """Update directions u f32[N, C, D] (u_i = -grad_theta_i loss_i) of every policy from a GIVEN round, and
+    the probe metrics (dict of f32[N]); key drives the probes' own randomness (SGT's draw)."""
     probe = spec.build() if probe is None else probe
+    logp = jax.lax.stop_gradient(E.all_log_probs(env, params))
+
+    def one(i, th):
+        g, m = jax.grad(lambda t: loss_and_metrics(env, spec, probe, i, t, logp, rnd, sigma,
+                                                   jax.random.fold_in(key, i)), has_aux=True)(th)
+        return -g, m
+
+    return jax.vmap(one)(jnp.arange(params.shape[0], dtype=jnp.int32), params)
+
+
+def sampled_directions(env: E.Env, spec: LabProbe, params: jax.Array, key: jax.Array, G: int,
+                       sigma=0.0, drop: float = 0.0, probe: P.Probe | None = None):
+    """Update directions u f32[N, C, D] of every policy from ONE sampled round, and the probe metrics
+    (dict of f32[N]). Pure; vmap over keys for Monte Carlo. params f32[N, C, D]."""
     logp = jax.lax.stop_gradient(E.all_log_probs(env, params))
     k_round, k_probe = jax.random.split(key)
     rnd = sample_round(env, logp, G, k_round, drop)
-    dirs, mets = [], []
-    for i, th in enumerate(params):
-        g, m = jax.grad(lambda t: loss_and_metrics(env, spec, probe, i, t, logp, rnd, sigma,
-                                                   jax.random.fold_in(k_probe, i)), has_aux=True)(th)
-        dirs.append(-g)
-        mets.append(m)
-    return tuple(dirs), mets
+    return round_directions(env, spec, params, rnd, k_probe, sigma, probe)
 
 
 def sgd_step(env: E.Env, spec: LabProbe, params, key, G: int, lr: float, sigma=0.0, drop: float = 0.0,
              probe: P.Probe | None = None):
-    """All policies update concurrently from one shared round: theta_i += lr * u_i."""
+    """All policies update concurrently from one shared round: theta_i += lr * u_i. Returns
+    (params, directions, metrics)."""
     dirs, mets = sampled_directions(env, spec, params, key, G, sigma, drop, probe)
-    return tuple(th + lr * u for th, u in zip(params, dirs)), mets
+    return params + lr * dirs, dirs, mets

@@ -152,7 +152,7 @@ class SeeSpec:
     def __post_init__(self):
         for key in ("capacity", "per_prompt_cap", "max_text_bytes"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("peer_rollouts_per_prompt", "peer_successes_per_prompt"):
+        for key in ("peer_rollouts_per_prompt", "peer_successes_per_prompt", "own_successes_per_prompt"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
 

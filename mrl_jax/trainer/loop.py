@@ -276,16 +276,20 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
             f"--resume: {out / 'metrics.jsonl'} has rounds up to {logged} but {ckpt.directory} holds no complete "
             "checkpoint (deleted or moved?). Put the checkpoints back, or start a new --out directory (or delete "
             "metrics.jsonl and samples.jsonl to start this run over).")
-    run = Run(cfg, task=task, warm=not (resume and latest is not None))
-    log = RunLog(out, progress=progress)
-    state, start = run.state, 0
-    if resume and latest is not None:
-        _warn_config_changes(out, cfg)
-        state, meta = ckpt.restore(run.state)
-        start = int(meta["round"]) + 1
+    try:
+        run = Run(cfg, task=task, warm=not (resume and latest is not None))
+        state, start = run.state, 0
+        if resume and latest is not None:
+            _warn_config_changes(out, cfg)
+            state, meta = ckpt.restore(run.state)
+            start = int(meta["round"]) + 1
+    except BaseException:
+        ckpt.close()
+        raise
+    # on resume, drop the records (and TensorBoard events) of rounds after the checkpoint: they are redone
+    log = RunLog(out, progress=progress, purge_step=start if resume else None)
+    if resume:
         log.truncate_after(start - 1)
-    elif resume:
-        log.truncate_after(-1)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     recorder = _LastInputs()
     policies = [recorder.wrap(p) for p in run.policies]

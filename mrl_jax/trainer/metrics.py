@@ -46,7 +46,9 @@ def _rewrite_jsonl(path: Path, keep) -> None:
 class RunLog:
     """Append-only logs of one run directory: ``metrics.jsonl``, ``samples.jsonl``, ``tb/``."""
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, progress: bool = True):
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
+                 purge_step: int | None = None):
+        """``purge_step``: on resume, the first round redone; TensorBoard hides older events of rounds >= it."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -55,7 +57,7 @@ class RunLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tb"), flush_secs=30)
+            self._tb = SummaryWriter(str(self.out_dir / "tb"), flush_secs=30, purge_step=purge_step)
         self._progress = progress
         self._t0 = time.perf_counter()
 
