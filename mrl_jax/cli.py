@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="smaller budget (fewer rounds and seeds), ~3 minutes on CPU")
     demo.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3, or 1 with --quick)")
     demo.add_argument("--probes", default=None,
-                      help="comma-separated probe specs to compare (default: none,xgrpo,prp,sgt)")
+                      help="comma-separated probe specs to compare (default: none,xgrpo,prp,sgt,sgt+replay)")
 
     train = sub.add_parser("train", help="an MRL run from a YAML config",
                            description="Run MRL rounds for the policies of a YAML config (see experiments/). "
@@ -79,6 +79,10 @@ def _write_summary(out: Path, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from mrl_jax.configs import ConfigError
+    from mrl_jax.models import CheckpointError as ModelFileError
+    from mrl_jax.tasks import RewardFailure
+    from mrl_jax.trainer.checkpoint import CheckpointError
+    from mrl_jax.trainer.loop import TrainingStopped
 
     try:
         if args.verb == "demo":
@@ -113,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mrl {args.verb}: config error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, ModelFileError, FileNotFoundError) as e:
+        print(f"mrl {args.verb}: {e}", file=sys.stderr)
+        return 2
+    except (TrainingStopped, RewardFailure) as e:
+        print(f"mrl {args.verb}: run stopped: {e}", file=sys.stderr)
+        return 3
     _write_summary(args.out, summary)
     print(f"wrote {args.out / 'summary.json'}")
     return 0

@@ -168,7 +168,14 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(tp):
             lines.extend(describe(tp, key + "."))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            "required" if f.default_factory is dataclasses.MISSING else "[...]")
-        lines.append(f"{key} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+        item = (typing.get_args(tp) or [None])[0]
+        if typing.get_origin(tp) in (list, tuple) and dataclasses.is_dataclass(item):
+            lines.append(f"{key} (list of {_type_name(item)}, required): {f.metadata.get('help', '')}")
+            lines.extend(describe(item, key + "[i]."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f"default {f.default!r}"
+        else:
+            default = "required" if f.default_factory is dataclasses.MISSING else "default [...]"
+        lines.append(f"{key} ({_type_name(tp)}, {default}): {f.metadata.get('help', '')}")
     return lines

@@ -29,8 +29,8 @@ from mrl_jax.trainer.policy import PolicyState, build_model
 from mrl_jax.trainer.round import RunState, run_round
 from mrl_jax.trainer.sft import warm_start
 
-DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt")
-COUNTERS = ("frac_reward_zero_std", "sgt/rows_fired", "prp/ess", "xgrpo/adv_on_peer_solved")
+DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "sgt+replay")
+COUNTERS = ("frac_reward_zero_std", "sgt/rows_fired", "prp/ess", "xgrpo/adv_on_peer_solved", "replay/rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class DemoSettings:
     """Budget of the demo (``quick`` shrinks rounds and seeds)."""
 
     seeds: int = 3
-    rounds: int = 60
+    rounds: int = 30
     prompts_per_round: int = 32
     num_generations: int = 8
     sft_steps: int = 200
@@ -48,7 +48,7 @@ class DemoSettings:
 
     @classmethod
     def make(cls, quick: bool, seeds: int | None) -> "DemoSettings":
-        base = cls(seeds=1, rounds=20, sft_steps=150) if quick else cls()
+        base = cls(seeds=1, rounds=15, sft_steps=150) if quick else cls()
         return dataclasses.replace(base, seeds=seeds or base.seeds)
 
 
@@ -68,7 +68,8 @@ def demo_config(probe: str, s: DemoSettings) -> RunConfig:
                   PolicySpec(name="gpt2-unigram", model=ModelSpec(family="gpt2", hidden_size=96, num_layers=2),
                              tokenizer=TokenizerSpec(kind="unigram", vocab_size=400), **common)],
         rounds=s.rounds, prompts_per_round=s.prompts_per_round, num_generations=s.num_generations,
-        see=SeeSpec(capacity=2048, per_prompt_cap=16, peer_rollouts_per_prompt=8, peer_successes_per_prompt=2))
+        see=SeeSpec(capacity=2048, per_prompt_cap=16, peer_rollouts_per_prompt=4, peer_successes_per_prompt=2,
+                   own_successes_per_prompt=1))
 
 
 def _evaluate(run: Run, state: RunState, eval_sets: dict) -> dict:

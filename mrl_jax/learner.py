@@ -200,7 +200,7 @@ def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *
     return grpo.chunked_token_stats(hc, head, completion_ids.astype(jnp.int32), chunk_size)
 
 
-def pg_term(logp, rows: Rows, cfg: GRPOConfig, shaping: bool = False):
+def pg_term(logp, rows: Rows, cfg: GRPOConfig, shaping: bool = False, shaping_gamma: float = 0.1):
     """The GRPO policy-gradient term over the rows' PG tokens: (sum, denominator, metrics)."""
     ref = None
     if cfg.beta != 0.0:
@@ -210,7 +210,7 @@ def pg_term(logp, rows: Rows, cfg: GRPOConfig, shaping: bool = False):
         C = rows.src_chunk_logp.shape[1]
         cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
         kw = dict(shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
-                  shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk))
+                  shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk), shaping_gamma=shaping_gamma)
     return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, importance_sampling_level=cfg.importance_sampling_level,
                             beta=cfg.beta, ref_logp=ref, loss_type=cfg.loss_type,
@@ -284,14 +284,14 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         probe_metrics = rows.metrics
         rows = rows.replace(advantages=adv, metrics={})
         # denominators from the full rows (independent of logp by contract)
-        _, pg_den, _ = pg_term(rows.old_logp, rows, cfg, shaping)
+        _, pg_den, _ = pg_term(rows.old_logp, rows, cfg, shaping, probe.shaping_gamma)
         _, t_den, _ = probe.loss_terms(rows.old_logp, rows)
         pg_den = jax.lax.stop_gradient(jnp.maximum(pg_den, 1e-30))
         t_den = jax.lax.stop_gradient(jnp.maximum(t_den, 1e-30))
 
         def loss_fn(p, r: Rows):
             logp, ent = forward(p, r)
-            s, _, m = pg_term(logp, r, cfg, shaping)
+            s, _, m = pg_term(logp, r, cfg, shaping, probe.shaping_gamma)
             ts, _, tm = probe.loss_terms(logp, r)
             loss = s / pg_den + jnp.sum(ts / t_den)
             em = r.completion_mask * (r.row_kind == OWN)[:, None]

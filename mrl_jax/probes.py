@@ -24,6 +24,7 @@ shared with the bandit lab.
 from __future__ import annotations
 
 import ast
+import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -57,7 +58,7 @@ def importance_weights(logp_dst: jax.Array, logp_src: jax.Array, *, truncate: fl
     elif mode == "clip":
         if truncate < 1:
             raise ValueError(f"mode='clip' clips to [1/truncate, truncate] and needs truncate >= 1, got {truncate}")
-        lc = float(jnp.log(truncate))
+        lc = math.log(truncate)
         w = jnp.exp(jnp.clip(d, -lc, lc))
     elif mode == "shaping":
         w = jax.nn.sigmoid(d - jnp.log(gamma))            # = rho / (rho + gamma)
@@ -193,8 +194,10 @@ def peer_compatibility(rows: Rows) -> jax.Array:
     C = rows.src_chunk_logp.shape[1]
     valid = rows.chunk_valid.astype(jnp.float32)
     dst = chunk_sums(rows.old_logp * rows.completion_mask, rows.dst_chunk, C)
-    n = jnp.maximum(jnp.sum(valid, -1), 1.0)
-    return compatibility_score(jnp.sum(dst * valid, -1) / n, jnp.sum(rows.src_chunk_logp * valid, -1) / n)
+    n = jnp.sum(valid, -1)
+    score = compatibility_score(jnp.sum(dst * valid, -1) / jnp.maximum(n, 1.0),
+                                jnp.sum(rows.src_chunk_logp * valid, -1) / jnp.maximum(n, 1.0))
+    return jnp.where(n > 0, score, 0.0)   # a row with no valid chunk (all THL residual) is never admitted
 
 
 # ----------------------------------------------------------------------------- the Probe type
@@ -218,6 +221,7 @@ class Probe(NamedTuple):
     needs_peers: the learner appends the view's peer slots to the rows (else own rows only).
     needs_peer_logp: the learner fills old_logp of peer rows with a no-grad forward before ``extend``.
     uses_shaping: the PG term computes LUFFY shaping on rows flagged ``shaping`` (PRP mode="shaping").
+    shaping_gamma: gamma of LUFFY's f(rho) = rho / (rho + gamma) used by that term.
     """
     name: str = "none"
     extend: Callable = _id_extend
@@ -226,6 +230,14 @@ class Probe(NamedTuple):
     needs_peers: bool = False
     needs_peer_logp: bool = False
     uses_shaping: bool = False
+    shaping_gamma: float = 0.1
+
+
+def _shaping_gamma(probes) -> float:
+    gammas = {p.shaping_gamma for p in probes if p.uses_shaping}
+    if len(gammas) > 1:
+        raise ValueError(f"probes in one chain use different policy-shaping gammas {sorted(gammas)}")
+    return gammas.pop() if gammas else 0.1
 
 
 def none() -> Probe:
@@ -261,7 +273,7 @@ def chain(*probes: Probe) -> Probe:
 
     return Probe("+".join(p.name for p in probes), extend, advantages, loss_terms,
                  any(p.needs_peers for p in probes), any(p.needs_peer_logp for p in probes),
-                 any(p.uses_shaping for p in probes))
+                 any(p.uses_shaping for p in probes), _shaping_gamma(probes))
 
 
 def switch(*choices) -> Probe:
@@ -304,7 +316,7 @@ def switch(*choices) -> Probe:
     return Probe("switch(" + ",".join(c.name for c in choices) + ")", extend, advantages, loss_terms,
                  needs_peers=any(c.needs_peers for c in choices),
                  needs_peer_logp=any(c.needs_peer_logp for c in choices),
-                 uses_shaping=any(c.uses_shaping for c in choices))
+                 uses_shaping=any(c.uses_shaping for c in choices), shaping_gamma=_shaping_gamma(choices))
 
 
 # ----------------------------------------------------------------------------- XGRPO / PRP advantages
@@ -398,7 +410,7 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         return jnp.where(use, pooled, adv)
 
     return Probe("prp", extend, advantages, _id_loss_terms, needs_peers=True, needs_peer_logp=True,
-                 uses_shaping=mode == "shaping")
+                 uses_shaping=mode == "shaping", shaping_gamma=gamma)
 
 
 # ----------------------------------------------------------------------------- SGT

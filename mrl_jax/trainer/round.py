@@ -164,8 +164,11 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
                           rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
             params, opt_state = ps.params, ps.opt_state
             k_upd = keys[len(policies) + pol.index]
+            skipped = 0.0
             for it in range(pol.spec.grpo.num_iterations):
                 params, opt_state, m = pol.update(params, opt_state, batch, view, jax.random.fold_in(k_upd, it))
+                skipped = skipped + m["skipped"]
+            m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
             new_states.append(PolicyState(params=params, opt_state=opt_state))
             raw_metrics.append(m)
         raw_metrics = jax.device_get(raw_metrics)
