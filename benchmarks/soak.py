@@ -264,16 +264,9 @@ def run_child(config: dict, out: str | Path, *, resume: bool = False, rewards: d
 # ------------------------------------------------------------------------------------ inspection
 def read_jsonl(path: str | Path) -> list[dict]:
     """Records of a JSONL file; a line torn by a kill is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return records
+    from mrl_jax.trainer.metrics import RunLog
+
+    return RunLog.read_records(path)
 
 
 def newest_checkpoint_dir(out: str | Path) -> int:

@@ -194,10 +194,9 @@ def peer_compatibility(rows: Rows) -> jax.Array:
     C = rows.src_chunk_logp.shape[1]
     valid = rows.chunk_valid.astype(jnp.float32)
     dst = chunk_sums(rows.old_logp * rows.completion_mask, rows.dst_chunk, C)
-    n = jnp.sum(valid, -1)
-    score = compatibility_score(jnp.sum(dst * valid, -1) / jnp.maximum(n, 1.0),
-                                jnp.sum(rows.src_chunk_logp * valid, -1) / jnp.maximum(n, 1.0))
-    return jnp.where(n > 0, score, 0.0)   # a row with no valid chunk (all THL residual) is never admitted
+    n = jnp.maximum(jnp.sum(valid, -1), 1.0)
+    # NB: a row with no valid chunk scores exp(0) = 1 (no evidence either way); PRP masks such rows anyway.
+    return compatibility_score(jnp.sum(dst * valid, -1) / n, jnp.sum(rows.src_chunk_logp * valid, -1) / n)
 
 
 # ----------------------------------------------------------------------------- the Probe type

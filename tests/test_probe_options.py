@@ -1,11 +1,10 @@
-"""Probe options that must reach the math: clip mode under jit, LUFFY's gamma, the gate on residual rows."""
+"""Probe options that must reach the math: clip mode under jit, LUFFY's gamma."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import probes
-from mrl_jax.learner import assemble_rows
-from test_probes import KEY, P, G, _grads, _make
+from test_probes import _grads, _make
 
 
 def test_clip_mode_runs_under_jit_and_clips_both_sides():
@@ -20,13 +19,3 @@ def test_policy_shaping_gamma_reaches_the_loss():
     b = _grads("prp:mode='shaping',gamma=2.0", batch, view)[0]
     assert abs(float(a) - float(b)) > 1e-6
     assert probes.make_probe("prp:mode='shaping',gamma=2.0").shaping_gamma == 2.0
-
-
-def test_gate_never_admits_a_row_that_is_all_thl_residual():
-    batch, view, *_ = _make([[0, 0, 0], [0, 0, 0]], [[1, 1, 1], [1, 1, 1]])
-    view = view.replace(chunk_valid=jnp.zeros_like(view.chunk_valid))
-    rows = assemble_rows(batch, view)
-    score = np.asarray(probes.peer_compatibility(rows))
-    assert np.all(score[P * G:] == 0.0)
-    rows = probes.sgt(compat_gate=True).extend(rows, view, KEY)
-    assert float(jnp.sum(rows.sft_weight)) == 0.0

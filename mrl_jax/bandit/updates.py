@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from mrl_jax import grpo
 from mrl_jax import probes as P
+from mrl_jax.see import SeeView
 from mrl_jax.bandit import env as E
 from mrl_jax.bandit.lab_probes import LabProbe
 
@@ -29,22 +29,7 @@ TAU = 1.0
 _HAS_PROBE_INDEX = "probe_index" in {f.name for f in dataclasses.fields(P.Rows)}
 
 
-@struct.dataclass
-class View:
-    """The fields of ``mrl_jax.see.SeeView`` that the probes read (see there for shapes)."""
-    ids: jax.Array
-    mask: jax.Array
-    dst_chunk: jax.Array
-    src_chunk_logp: jax.Array
-    chunk_valid: jax.Array
-    rewards: jax.Array
-    source: jax.Array
-    kind: jax.Array
-    prompt_slot: jax.Array
-    truncated: jax.Array
-    peer_stats: jax.Array
-    consumer: jax.Array
-    tau: jax.Array
+View = SeeView  # the view the probes read: the same pytree as the LLM trainer's
 
 
 class Round(NamedTuple):
