@@ -38,7 +38,7 @@ class DemoSettings:
     """Budget of the demo (``quick`` shrinks rounds and seeds)."""
 
     seeds: int = 3
-    rounds: int = 30
+    rounds: int = 20
     prompts_per_round: int = 32
     num_generations: int = 8
     sft_steps: int = 200
@@ -48,7 +48,7 @@ class DemoSettings:
 
     @classmethod
     def make(cls, quick: bool, seeds: int | None) -> "DemoSettings":
-        base = cls(seeds=1, rounds=15, sft_steps=150) if quick else cls()
+        base = cls(seeds=1, rounds=12, sft_steps=150) if quick else cls()
         return dataclasses.replace(base, seeds=seeds or base.seeds)
 
 
