@@ -296,16 +296,50 @@ def section_sampler_variants(ctx: Context) -> dict:
 
 
 def update_step_mfu(ctx: Context) -> dict:
-    """HOOK (lead): measure the GRPO update step's MFU here.
+    """The jitted GRPO update (probe ``none``, chunked log-softmax, AdamW) on batch 16 x 1024 tokens
+    (64 prompt + 960 completion) of the bf16 model; MFU against a measured bf16 matmul ceiling and the
+    H200 spec peak. FLOPs/token = 6 N_non-embedding + 6 hidden vocab + 12 L hidden T (GPU-ANCHORS.md)."""
+    import jax
+    import jax.numpy as jnp
 
-    Available: ``ctx.model`` / ``ctx.graphdef`` / ``ctx.params`` (the bf16 Qwen2.5-0.5B-shaped model,
-    or the tiny one with --tiny), ``ctx.shape["model"]`` (its dims), ``ctx.shape["copy_bw"]``,
-    ``timeit(fn)``, ``tree_bytes(tree)``, ``H200_PEAK_BF16_FLOPS``, ``ctx.left()`` (seconds of budget
-    left). Suggested: FLOPs per update = 6 * n_params_non_embedding * tokens + attention
-    (12 * L * T^2 * H * hd per sequence, / 2 causal) + 2 * hidden * vocab * tokens * 3 for the head;
-    MFU = FLOPs / (median step time * peak). Return a dict of numbers.
-    """
-    return {"status": "not implemented (hook for the update-step MFU measurement)"}
+    from mrl_jax import see
+    from mrl_jax.learner import Batch, GRPOConfig, make_optimizer, make_update_step
+
+    m = ctx.shape["model"]
+    rows, tp, tc = (4, 8, 24) if ctx.tiny else (16, 64, 960)
+    n = 4096 if not ctx.tiny else 256
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    t_mm = timeit(lambda: mm(a).block_until_ready(), repeats=5, warmup=2)["median_s"]
+    ceiling = 2 * n ** 3 / t_mm
+    cfg = GRPOConfig(num_generations=8 if not ctx.tiny else 2, max_completion_length=tc, logprob_chunk_size=128)
+    opt = make_optimizer(1e-6)
+    update = make_update_step(ctx.graphdef, opt, "none", cfg)
+    P = rows // cfg.num_generations
+    key = jax.random.PRNGKey(0)
+    batch = Batch(prompt_ids=jax.random.randint(key, (P, tp), 0, m["vocab_size"], jnp.int32),
+                  prompt_mask=jnp.ones((P, tp), bool),
+                  completion_ids=jax.random.randint(key, (rows, tc), 0, m["vocab_size"], jnp.int32),
+                  completion_mask=jnp.ones((rows, tc), jnp.float32), old_logp=jnp.full((rows, tc), -5.0),
+                  ref_logp=jnp.zeros((rows, tc)), rewards=jnp.tile(jnp.array([0.0, 1.0]), rows // 2),
+                  truncated=jnp.zeros((rows,), bool))
+    view = see.empty_view(P, 1, tc, 1, 1)
+    state = {"p": jax.tree.map(jnp.array, ctx.params)}
+    state["o"] = opt.init(state["p"])
+
+    def step():
+        state["p"], state["o"], met = update(state["p"], state["o"], batch, view, key)
+        jax.block_until_ready(met["loss"])
+
+    t = timeit(step, repeats=5, warmup=2)
+    tokens = rows * (tp + tc)
+    n_emb = m["vocab_size"] * m["hidden_size"]
+    n_params = int(sum(x.size for x in jax.tree.leaves(ctx.params)))
+    flops_tok = 6 * (n_params - n_emb) + 6 * m["hidden_size"] * m["vocab_size"] + 12 * m["num_layers"] * m["hidden_size"] * (tp + tc)
+    achieved = flops_tok * tokens / t["median_s"]
+    return {"rows": rows, "tokens_per_step": tokens, "step": t, "tokens_per_s": tokens / t["median_s"],
+            "matmul_ceiling_flops": ceiling, "mfu_vs_measured_ceiling": achieved / ceiling,
+            "mfu_vs_spec_peak": achieved / H200_PEAK_BF16_FLOPS, "hf_reference_tokens_per_s": 88.7e3}
 
 
 def section_update_step_mfu(ctx: Context) -> dict:
