@@ -170,7 +170,9 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             continue
         item = (typing.get_args(tp) or [None])[0]
         if typing.get_origin(tp) in (list, tuple) and dataclasses.is_dataclass(item):
-            lines.append(f"{key} (list of {_type_name(item)}, required): {f.metadata.get('help', '')}")
+            need = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            lines.append(f"{key} (list of {_type_name(item)}, {'required' if need else 'default [...]'}): "
+                         f"{f.metadata.get('help', '')}")
             lines.extend(describe(item, key + "[i]."))
             continue
         if f.default is not dataclasses.MISSING:

@@ -66,6 +66,6 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_describe_lists_every_leaf():
     lines = describe(Outer)
     assert any(l.startswith("inner.learning_rate (float") and "step size" in l for l in lines)
-    assert any(l.startswith("items (list of Inner, required)") for l in lines)
+    assert any(l.startswith("items (list of Inner, default [...])") for l in lines)
     assert any(l.startswith("items[i].schedule (Literal") and "lr schedule" in l for l in lines)
     assert len(lines) == 8   # name, rounds, inner.{2}, items, items[i].{2}, path
