@@ -38,7 +38,7 @@ class DemoSettings:
     """Budget of the demo (``quick`` shrinks rounds and seeds)."""
 
     seeds: int = 3
-    rounds: int = 20
+    rounds: int = 40
     prompts_per_round: int = 32
     num_generations: int = 8
     sft_steps: int = 200
@@ -156,8 +156,10 @@ def _verdict(summary: dict, names: list[str]) -> list[str]:
         for n in names:
             df = entry[n]["foreign_facts"]["mean"] - base[n]["foreign_facts"]["mean"]
             do = entry[n]["own_facts"]["mean"] - base[n]["own_facts"]["mean"]
-            noise = 2 * max(entry[n]["foreign_facts"]["std"], base[n]["foreign_facts"]["std"], 1e-9)
-            moved = "gained" if df > noise else ("lost" if df < -noise else "did not change (within seed spread)")
+            a, b = entry[n]["foreign_facts"], base[n]["foreign_facts"]
+            se = np.sqrt(a["std"] ** 2 / len(a["values"]) + b["std"] ** 2 / len(b["values"]))
+            noise = max(2 * se, 1e-9)   # two standard errors of the difference of seed means
+            moved = "gained" if df > noise else ("lost" if df < -noise else "did not change (within 2 s.e.)")
             out.append(f"{probe}, {n}: foreign facts {moved} ({df:+.2f} vs none); own facts {do:+.2f}.")
     return out
 

@@ -34,5 +34,5 @@ def test_verdict_says_when_sharing_did_not_help():
     summary = {"probes": {"none": _entry(1.0, 0.0, 0.05), "xgrpo": _entry(1.0, 0.02, 0.05),
                           "sgt": _entry(0.8, 0.5, 0.05)}}
     lines = _verdict(summary, ["p"])
-    assert any(l.startswith("xgrpo, p: foreign facts did not change") for l in lines)
+    assert any(l.startswith("xgrpo, p: foreign facts did not change (within 2 s.e.)") for l in lines)
     assert any(l.startswith("sgt, p: foreign facts gained (+0.50") and "own facts -0.20" in l for l in lines)
