@@ -48,7 +48,7 @@ class DemoSettings:
 
     @classmethod
     def make(cls, quick: bool, seeds: int | None) -> "DemoSettings":
-        base = cls(seeds=1, rounds=12, sft_steps=150) if quick else cls()
+        base = cls(seeds=1, rounds=20, sft_steps=150) if quick else cls()
         return dataclasses.replace(base, seeds=seeds or base.seeds)
 
 
