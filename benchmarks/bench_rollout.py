@@ -12,8 +12,6 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -181,17 +179,9 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    a = p.parse_args(argv)
-    res = run(quick=a.quick)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    return 0
+    from mrl_jax.bench import script_main
+
+    return script_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ update phases overlap instead.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -109,17 +107,10 @@ def run(quick: bool = False) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens, fewer timed rounds")
-    ap.add_argument("--out", help="also write the JSON here")
-    args = ap.parse_args(argv)
-    res = run(quick=args.quick)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+def main(argv=None) -> int:
+    from mrl_jax.bench import script_main
+
+    return script_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ device's ``peak_bytes_in_use`` where the backend reports it (GPU/TPU), and the r
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -133,17 +131,10 @@ def run(quick: bool = False) -> dict:
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    res = run(args.quick)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+def main(argv=None) -> int:
+    from mrl_jax.bench import script_main
+
+    return script_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,22 @@ def environment() -> dict:
             "devices": [str(d) for d in jax.devices()], "versions": versions}
 
 
+def script_main(run, description: str, argv: list[str] | None = None) -> int:
+    """The command line every ``benchmarks/bench_*.py`` shares: ``[--quick] [--out FILE]`` -> JSON on stdout."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help="small shapes / fewer timed steps")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    text = json.dumps(run(quick=args.quick), indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
 def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] | None = None) -> dict:
     """Run the benchmarks; returns the summary written to ``out_dir/summary.json`` by the CLI."""
     if not BENCH_DIR.is_dir():

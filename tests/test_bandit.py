@@ -125,7 +125,6 @@ def test_prp_with_identical_peer_is_grpo_on_the_pooled_group():
         arms = jnp.concatenate([rnd.arms[0], rnd.arms[1]], -1)              # the pooled group [C, 2G]
         rew = jnp.concatenate([rnd.rewards[0], rnd.rewards[1]], -1)
         adv = grpo.group_advantages(rew).reshape(-1)
-        C = arms.shape[0]
 
         def loss(th):
             lp = jnp.take_along_axis(E.log_probs(e, 0, th), arms, -1).reshape(-1, 1)

@@ -12,7 +12,6 @@ from typing import Optional
 import numpy as np
 
 from mrl_jax.bandit import env as E
-from mrl_jax.bandit import exact as X
 from mrl_jax.bandit import lab_probes as LP
 from mrl_jax.bandit import measure as M
 from mrl_jax.bandit import report as R

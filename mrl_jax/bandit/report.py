@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 
 
 def _f(x, nd: int = 3, se=None) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import see as see_lib
