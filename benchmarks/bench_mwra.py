@@ -111,13 +111,17 @@ def _child(quick: bool) -> dict:
     def single(i):
         keep(pols[i], jax.block_until_ready(call(pols[i])))
 
+    from mrl_jax.bench_env import section
+
     times = {"sequential": [], "concurrent": [], "policy0_alone": [], "policy1_alone": []}
-    for _ in range(reps):  # interleaved so background load hits both alike
-        for name, fn in (("sequential", sequential), ("concurrent", concurrent),
-                         ("policy0_alone", lambda: single(0)), ("policy1_alone", lambda: single(1))):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    with section("mwra_round") as out["load"]:
+        for _ in range(reps):  # interleaved so background load hits both alike
+            for name, fn in (("sequential", sequential), ("concurrent", concurrent),
+                             ("policy0_alone", lambda: single(0)), ("policy1_alone", lambda: single(1))):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    out["contended"] = out["load"]["contended"]
     med = {k: statistics.median(v) for k, v in times.items()}
     out["round_ms_median"] = {k: round(1e3 * v, 3) for k, v in med.items()}
     out["concurrent_over_sequential"] = round(med["concurrent"] / med["sequential"], 3)

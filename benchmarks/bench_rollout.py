@@ -85,6 +85,7 @@ def bench_family(family: str, s: dict) -> dict:
     from flax import nnx
 
     from mrl_jax import models
+    from mrl_jax.bench_env import section
     from mrl_jax.rollout import SamplingConfig, generate
 
     hf = _hf_model(family, s)
@@ -122,14 +123,16 @@ def bench_family(family: str, s: dict) -> dict:
     torch.set_num_threads(1)
     hf_fn()
     ours_t, hf1_t = [], []
-    for _ in range(s["repeats"]):
-        ours_t.append(_once(ours_fn))
-        hf1_t.append(_once(hf_fn))
-    hf_by_threads = {1: min(hf1_t)}
-    if default_threads != 1:
-        torch.set_num_threads(default_threads)
-        hf_by_threads[default_threads] = _once(hf_fn)
-        torch.set_num_threads(default_threads)
+    hf_by_threads = {}
+    with section(f"{family}_b{b}") as load:
+        for _ in range(s["repeats"]):
+            ours_t.append(_once(ours_fn))
+            hf1_t.append(_once(hf_fn))
+        hf_by_threads[1] = min(hf1_t)
+        if default_threads != 1:
+            torch.set_num_threads(default_threads)
+            hf_by_threads[default_threads] = _once(hf_fn)
+            torch.set_num_threads(default_threads)
     ours_s, hf_s = min(ours_t), min(hf_by_threads.values())
 
     ours_tps = b * n / ours_s
@@ -148,6 +151,8 @@ def bench_family(family: str, s: dict) -> dict:
         "hf_seconds_all_1_thread": hf1_t,
         "hf_seconds_by_torch_threads": hf_by_threads,
         "ours_first_call_seconds_incl_compile": compile_s,
+        "load": load,
+        "contended": load["contended"],
     }
 
 

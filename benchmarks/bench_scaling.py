@@ -62,8 +62,11 @@ def _measure(num_policies: int, G: int, s: dict, cache_dir: str) -> dict:
     run = Run(cfg, cache_dir=cache_dir, warm=False)
     build_s = time.perf_counter() - t0
     state = run.state
+    from mrl_jax.bench_env import section
+
     times, phases = [], []
-    with RewardScorer([task_reward(run.task, timeout_s=cfg.reward_timeout_s)]) as scorer:
+    with RewardScorer([task_reward(run.task, timeout_s=cfg.reward_timeout_s)]) as scorer, \
+            section(f"scaling_n{num_policies}_G{G}") as load:
         for r in range(cfg.rounds):
             prompts, dense = run.round_prompts(r)
             t = time.perf_counter()
@@ -79,7 +82,7 @@ def _measure(num_policies: int, G: int, s: dict, cache_dir: str) -> dict:
     return dict(policies=num_policies, G=G, completions_per_round=num_policies * G * s["prompts"],
                 round_s=round(round_s, 4), round_s_per_policy=round(round_s / num_policies, 4),
                 first_round_s=round(times[0], 2), build_s=round(build_s, 2), phases_s=ph,
-                round_times=[round(x, 4) for x in times])
+                round_times=[round(x, 4) for x in times], load=load, contended=load["contended"])
 
 
 def _growth(rows: list[dict]) -> None:

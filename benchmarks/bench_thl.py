@@ -99,6 +99,10 @@ def run(quick: bool = False, *, src_name: str = "gpt2", dst_name: str = "mistral
     dst_lists = dst.encode_batch(texts[:8], continuation=True, parse_special=False)
     thl.align_batch(texts[:8], src, dst, src_pad[:8], src_lengths=lengths[:8], dst_ids_list=dst_lists)
 
+    from mrl_jax.bench_env import section
+
+    load_cm = section("thl_align")
+    load = load_cm.__enter__()
     dst_lists = dst.encode_batch(texts, continuation=True, parse_special=False)
     # the destination's encode_batch and retokenize + align, interleaved (the machine's load drifts)
     enc_w, enc_c, full_w, full_c = [], [], [], []
@@ -118,6 +122,7 @@ def run(quick: bool = False, *, src_name: str = "gpt2", dst_name: str = "mistral
     eos_pad[np.arange(n), lengths] = src.eos_id
     t_eos, _ = _time(lambda: thl.align_batch(texts, src, dst, eos_pad, src_lengths=lengths + 1,
                                              dst_ids_list=dst_lists), repeat)
+    load_cm.__exit__(None, None, None)
     ns, nd = int(lengths.sum()), int(sum(len(d) for d in dst_lists))
     return {
         "pair": f"{src_name}->{dst_name}",
@@ -143,6 +148,8 @@ def run(quick: bool = False, *, src_name: str = "gpt2", dst_name: str = "mistral
         "residual": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in ba.metrics.items()},
         "cpus": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "load": load,
+        "contended": load["contended"],
     }
 
 
@@ -151,8 +158,15 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="512 texts instead of 4096")
     ap.add_argument("--src", default="gpt2")
     ap.add_argument("--dst", default="mistral-7b-v0.1")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                    help="wait at most SECONDS for the machine to be quiet before timing")
+    ap.add_argument("--idle-load", type=float, default=None, metavar="LOAD", help="quiet/contended threshold")
     args = ap.parse_args(argv)
-    print(json.dumps(run(args.quick, src_name=args.src, dst_name=args.dst), indent=2))
+    from mrl_jax.bench import run_recorded
+
+    figures = run_recorded(lambda: run(args.quick, src_name=args.src, dst_name=args.dst), args.wait_idle,
+                           args.idle_load)
+    print(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -208,6 +208,8 @@ def run(quick: bool = False) -> dict:
     import torch
     import transformers
 
+    from mrl_jax.bench_env import section
+
     plan = PLAN[bool(quick)]
     out = dict(setup=dict(prompts=P, generations=G, max_new_tokens=NEW_TOKENS, loss_type="grpo", beta=0.0,
                           epsilon=0.2, num_iterations=1, temperature=1.0, lr=LR, model=MODEL, **plan),
@@ -216,7 +218,8 @@ def run(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as root:
         hf_tok, model_dir, n_params = _build_assets(root)
         out["setup"]["n_params"] = int(n_params)
-        out.update(_run_ours(hf_tok, model_dir, plan["warmup"], plan["steps"]))
+        with section("ours") as out["load_ours"]:
+            out.update(_run_ours(hf_tok, model_dir, plan["warmup"], plan["steps"]))
         try:
             import trl  # noqa: F401
         except ImportError as e:
@@ -224,12 +227,14 @@ def run(quick: bool = False) -> dict:
                        trl_error=f"TRL is not installed ({e}); `pip install -e .[bench]`")
             return out
         try:
-            out.update(_run_trl(hf_tok, model_dir, root, plan["warmup"], plan["steps"]))
+            with section("trl") as out["load_trl"]:
+                out.update(_run_trl(hf_tok, model_dir, root, plan["warmup"], plan["steps"]))
         except Exception as e:  # record the precise reason, never fake a number
             import trl
             out.update(trl_s_per_step=None, speedup=None, trl_version=trl.__version__,
                        trl_error=f"{type(e).__name__}: {e}")
             return out
+    out["contended"] = bool(out["load_ours"]["contended"] or out["load_trl"]["contended"])
     out["speedup"] = out["trl_s_per_step"] / out["ours_s_per_step"]
     out["speedup_min"] = out["trl_s_per_step_min"] / out["ours_s_per_step_min"]  # best step vs best step
     out["goal_speedup"] = 3.0

@@ -79,18 +79,20 @@ def bench_probe(name: str, c: dict, batch, view) -> dict:
     params, state, m = compiled(params, state, batch, view, key)
     jax.block_until_ready(params)
     times = []
-    for i in range(c["repeats"]):
-        t0 = time.perf_counter()
-        params, state, m = compiled(params, state, batch, view, jax.random.fold_in(key, i))
-        jax.block_until_ready((params, m))
-        times.append(time.perf_counter() - t0)
+    with section(f"update_{name}") as load:
+        for i in range(c["repeats"]):
+            t0 = time.perf_counter()
+            params, state, m = compiled(params, state, batch, view, jax.random.fold_in(key, i))
+            jax.block_until_ready((params, m))
+            times.append(time.perf_counter() - t0)
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     out = {"compile_s": round(compile_s, 3), "step_ms_median": round(1e3 * statistics.median(times), 2),
            "step_ms_min": round(1e3 * min(times), 2), "xla_memory_bytes": est,
            "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
            "device_peak_bytes": int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None,
-           "pg_rows": float(m["pg_rows"]), "num_tokens": float(m["num_tokens"]), "skipped": float(m["skipped"])}
+           "pg_rows": float(m["pg_rows"]), "num_tokens": float(m["num_tokens"]), "skipped": float(m["skipped"]),
+           "load": load, "contended": load["contended"]}
     for k in ("prp/ess", "sgt/rows_fired", "xgrpo/adv_on_peer_solved"):
         if k in m:
             out[k] = round(float(m[k]), 4)

@@ -44,23 +44,57 @@ def environment() -> dict:
 
 
 def script_main(run, description: str, argv: list[str] | None = None) -> int:
-    """The command line every ``benchmarks/bench_*.py`` shares: ``[--quick] [--out FILE]`` -> JSON on stdout."""
+    """The command line every ``benchmarks/bench_*.py`` shares -> JSON on stdout.
+
+    ``[--quick] [--out FILE] [--wait-idle SECONDS] [--idle-load LOAD]``: with ``--wait-idle`` it first waits
+    (at most SECONDS) for the 1-min load average to fall below LOAD (default 0.25 per core). The JSON gets
+    ``"load"`` (:func:`mrl_jax.bench_env.summarize` of every timed section) and a top-level ``"contended"``.
+    """
     import argparse
     import json
+
+    from mrl_jax import bench_env
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="small shapes / fewer timed steps")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                    help="wait at most SECONDS for the machine to be quiet before timing (0 = do not wait)")
+    ap.add_argument("--idle-load", type=float, default=None, metavar="LOAD",
+                    help="quiet = 1-min load average below LOAD; also the contended threshold "
+                    f"(default 0.25 per core = {bench_env.default_threshold():g} here)")
     args = ap.parse_args(argv)
-    text = json.dumps(run(quick=args.quick), indent=2)
+    figures = run_recorded(lambda: run(quick=args.quick), args.wait_idle, args.idle_load)
+    text = json.dumps(figures, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
 
 
-def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] | None = None) -> dict:
-    """Run the benchmarks; returns the summary written to ``out_dir/summary.json`` by the CLI."""
+def run_recorded(fn, wait_idle_s: float = 0.0, threshold: float | None = None) -> dict:
+    """Run ``fn() -> dict`` after an optional bounded idle wait; attach the load record of its sections."""
+    from mrl_jax import bench_env
+
+    wait = bench_env.wait_idle(wait_idle_s, threshold) if wait_idle_s > 0 else None
+    bench_env.collect()  # drop anything logged before this benchmark
+    with bench_env.section("whole_run", threshold) as whole:
+        figures = fn()
+    sections = [r for r in bench_env.collect() if r is not whole]
+    load = bench_env.summarize(sections or [whole], wait)
+    load["whole_run"] = whole
+    figures["load"] = load
+    figures["contended"] = load["contended"]
+    return figures
+
+
+def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] | None = None,
+                   wait_idle_s: float = 0.0, idle_load: float | None = None) -> dict:
+    """Run the benchmarks; returns the summary written to ``out_dir/summary.json`` by the CLI.
+
+    Each benchmark's figures carry ``load`` and ``contended`` (see :func:`run_recorded`); the summary's
+    ``contended`` is True when any benchmark's is. ``wait_idle_s`` > 0 waits (bounded) for quiet first.
+    """
     if not BENCH_DIR.is_dir():
         raise FileNotFoundError(
             f"benchmarks/ not found next to the package ({BENCH_DIR}); run `mrl bench` from a source checkout "
@@ -73,10 +107,11 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     for name in only or names:
         t0 = time.perf_counter()
         try:
-            figures = _load(name).run(quick=quick)
+            figures = run_recorded(lambda: _load(name).run(quick=quick), wait_idle_s, idle_load)
         except Exception as e:  # one broken benchmark must not lose the others' figures
             figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
         figures["wall_s"] = round(time.perf_counter() - t0, 2)
         results[name] = figures
         print(f"[bench] {name}: {figures.get('error', 'ok')} ({figures['wall_s']} s)", flush=True)
-    return {"quick": quick, "environment": environment(), "benchmarks": results}
+    contended = any(r.get("contended") for r in results.values())
+    return {"quick": quick, "contended": contended, "environment": environment(), "benchmarks": results}

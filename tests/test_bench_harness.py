@@ -72,3 +72,88 @@ def test_real_scripts_expose_run():
         module = bench._load(name)  # imports only; nothing is run
         assert callable(getattr(module, "run", None)), name
         assert "quick" in inspect.signature(module.run).parameters, name
+
+
+# ------------------------------------------------------------------------------ load recording (bench_env)
+from mrl_jax import bench_env  # noqa: E402
+
+
+def test_default_threshold_scales_with_cores():
+    assert bench_env.default_threshold(2) == 0.5
+    assert bench_env.default_threshold(16) == 4.0
+
+
+def test_contended_marking():
+    assert not bench_env.is_contended(0.3, 0.1, 0.5)
+    assert bench_env.is_contended(0.51, 0.0, 0.5)  # loaded before the section
+    assert bench_env.is_contended(0.1, 0.8, 0.5)  # others busy during it
+
+
+def _fake_clock():
+    t = [0.0]
+    return t, (lambda: t[0]), (lambda dt: t.__setitem__(0, t[0] + dt))
+
+
+def test_wait_idle_stops_when_quiet():
+    loads = iter([2.0, 1.0, 0.4, 0.1])
+    _, clock, sleep = _fake_clock()
+    w = bench_env.wait_idle(100.0, 0.5, poll_s=5.0, load_reader=lambda: next(loads), sleep=sleep, clock=clock)
+    assert w["idle"] and w["polls"] == 2 and w["waited_s"] == 10.0 and w["load"] == 0.4
+
+
+def test_wait_idle_is_bounded():
+    t, clock, sleep = _fake_clock()
+    w = bench_env.wait_idle(12.0, 0.5, poll_s=5.0, load_reader=lambda: 3.0, sleep=sleep, clock=clock)
+    assert not w["idle"] and t[0] == 12.0 and w["polls"] == 3  # 5 + 5 + 2 s: never past the bound
+
+
+def _snapshots(other_ticks_during):
+    """cpu_times-like snapshots: this process, its child, and one other process."""
+    import os
+    me = os.getpid()
+    before = {me: ("python", 1, 0), 999001: ("child", me, 0), 999002: ("other", 1, 100)}
+    after = {me: ("python", 1, 500), 999001: ("child", me, 500), 999002: ("other", 1, 100 + other_ticks_during)}
+    return iter([before, after])
+
+
+def test_section_marks_contended_from_other_processes_only():
+    clk = bench_env._CLK
+    t = iter([0.0, 10.0])
+    snaps = _snapshots(other_ticks_during=int(8 * clk))  # the other process used 0.8 cores over 10 s
+    with bench_env.section("x", 0.5, load_reader=lambda: 0.2, snapshot=lambda: next(snaps),
+                           clock=lambda: next(t)) as rec:
+        pass
+    assert rec["contended"] and rec["other_cores"] == 0.8
+    assert [b["name"] for b in rec["busy"]] == ["other"]  # self and own child excluded
+    t = iter([0.0, 10.0])
+    snaps = _snapshots(other_ticks_during=int(1 * clk))  # 0.1 cores: quiet
+    with bench_env.section("y", 0.5, load_reader=lambda: 0.2, snapshot=lambda: next(snaps),
+                           clock=lambda: next(t)) as rec:
+        pass
+    assert not rec["contended"] and rec["load_before"] == 0.2 and rec["load_after"] == 0.2
+    names = [r["name"] for r in bench_env.collect()]
+    assert names[-2:] == ["x", "y"] and bench_env.collect() == []
+
+
+def test_summarize_any_section_contended():
+    quiet = {"name": "a", "load_before": 0.1, "other_cores": 0.0, "contended": False}
+    busy = {"name": "b", "load_before": 0.9, "other_cores": 0.0, "contended": True}
+    assert not bench_env.summarize([quiet])["contended"]
+    s = bench_env.summarize([quiet, busy])
+    assert s["contended"] and s["max_load_before"] == 0.9
+    assert bench_env.summarize([], {"idle": False})["contended"]
+
+
+def test_run_benchmarks_attach_load(bench_dir, tmp_path):
+    summary = bench.run_benchmarks(tmp_path / "out", quick=True, only=["cheap"])
+    figs = summary["benchmarks"]["cheap"]
+    assert isinstance(figs["contended"], bool) and "load_before" in figs["load"]["whole_run"]
+    assert summary["contended"] == figs["contended"]
+
+
+def test_script_main_wait_idle_flag(monkeypatch, capsys):
+    monkeypatch.setattr(bench_env, "load_average", lambda: 0.0)
+    monkeypatch.setattr(bench_env, "cpu_times", lambda: {})  # no other process: quiet
+    assert bench.script_main(lambda quick: {"q": quick}, "x", ["--quick", "--wait-idle", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["q"] is True and out["load"]["wait_idle"]["idle"] is True and "contended" in out
