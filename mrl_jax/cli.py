@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Each verb writes summary.json in --out. `mrl VERB --help` explains a verb's options.",
     )
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (default: on, in "
+                        "$XDG_CACHE_HOME/mrl_jax/jax_cache; env MRL_COMPILATION_CACHE=<dir> moves it, =0 turns it off)")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     demo = sub.add_parser("demo", help="embedded default: none/xgrpo/prp/sgt on tiny heterogeneous policies",
@@ -78,6 +81,10 @@ def _write_summary(out: Path, summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.verb != "config-help":  # before any compile: later runs load compiled programs from disk
+        from mrl_jax.compile_cache import enable as enable_compile_cache
+
+        enable_compile_cache(disabled=args.no_compile_cache)
     from mrl_jax.configs import ConfigError
     from mrl_jax.models import CheckpointError as ModelFileError
     from mrl_jax.tasks import RewardFailure

@@ -1,0 +1,55 @@
+"""mrl_jax.compile_cache: the persistent compilation cache `mrl` turns on (directory choice, off switch, entries)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mrl_jax import compile_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROGRAM = """
+import sys
+from mrl_jax.compile_cache import enable
+import jax, jax.numpy as jnp
+print(enable(sys.argv[1]))
+f = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.cos(x))
+print(float(f(jnp.arange(7.0)).sum()))
+"""
+
+
+def test_resolve_dir():
+    assert compile_cache.resolve_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/mrl_jax/jax_cache")
+    assert compile_cache.resolve_dir({"MRL_COMPILATION_CACHE": "/y/c"}) == Path("/y/c")
+    for off in ("0", "off", "False"):
+        assert compile_cache.resolve_dir({"MRL_COMPILATION_CACHE": off}) is None
+    assert compile_cache.resolve_dir({}).parts[-2:] == ("mrl_jax", "jax_cache")
+
+
+def test_disabled_is_none(tmp_path):
+    assert compile_cache.enable(tmp_path / "c", disabled=True) is None
+    assert not (tmp_path / "c").exists()
+
+
+def test_cli_flag_parses():
+    from mrl_jax.cli import _parser
+
+    args = _parser().parse_args(["--no-compile-cache", "config-help"])
+    assert args.no_compile_cache and args.verb == "config-help"
+
+
+def _run(cache: Path) -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout
+
+
+def test_two_processes_share_entries(tmp_path):
+    cache = tmp_path / "jax_cache"
+    first = _run(cache)
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries, "the first process wrote no cache entry"
+    second = _run(cache)
+    assert first == second  # same result, loaded from the cache
+    assert sorted(p.name for p in cache.iterdir()) == entries  # a hit: no new entry
