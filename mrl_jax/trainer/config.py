@@ -8,7 +8,7 @@ checkpoints, evaluation, reward isolation). ``mrl config-help`` prints every key
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from mrl_jax.configs import check, field
 from mrl_jax.learner import GRPOConfig
@@ -94,6 +94,30 @@ class WarmStartSpec:
     batch_size: int = field(64, help="SFT examples per step")
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                        "c_attn", "c_proj", "c_fc")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the policy's linear layers (rank 0 = full fine-tuning). Only the adapters are trained
+    and held in the optimizer; the frozen base keeps ``model.dtype`` (e.g. bfloat16), adapters are float32."""
+
+    rank: int = field(0, help="adapter rank r; 0 = no LoRA (train every parameter)")
+    alpha: float = field(16.0, help="scaling: the adapter adds (alpha / rank) * x @ A @ B")
+    dropout: float = field(0.0, help="dropout on the adapter input while training (PEFT's lora_dropout)")
+    target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        help="linear layers to adapt, by name (last path component, e.g. q_proj) or dotted path suffix "
+             "(e.g. mlp.c_proj); default: the attention and MLP projections of the llama and gpt2 families")
+
+    def __post_init__(self):
+        check(self.rank >= 0, "rank", f"must be >= 0, got {self.rank}")
+        check(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        check(len(self.target_modules) > 0, "target_modules", "needs at least one module name")
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """One policy of the run."""
@@ -101,7 +125,17 @@ class PolicySpec:
     name: str = field(help="unique name used in logs and checkpoints")
     model: ModelSpec = field(default_factory=ModelSpec, help="weights")
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec, help="tokenizer")
-    prompt_template: str = field("{prompt}", help="how this policy formats a prompt; must contain {prompt}")
+    prompt_template: str = field("{prompt}", help="how this policy formats a prompt (prompt_format: template); "
+                                                  "must contain {prompt}")
+    prompt_format: Literal["template", "chat"] = field(
+        "template", help="template = prompt_template (BOS prepended when the tokenizer has one); chat = the "
+                         "tokenizer folder's chat_template (tokenizer_config.json) rendered by transformers as a "
+                         "user turn with the generation prompt")
+    system_prompt: Optional[str] = field(None, help="prompt_format: chat: a system turn before the user turn")
+    stop_tokens: list[Union[int, str]] = field(
+        default_factory=list, help="extra stop tokens (spellings such as '<|im_end|>', or ids), added to the "
+                                   "tokenizer's EOS and generation_config.json's eos_token_id list")
+    lora: LoraSpec = field(default_factory=LoraSpec, help="LoRA adapters (rank 0 = full fine-tuning)")
     sampling: SamplingSpec = field(default_factory=SamplingSpec, help="rollout sampling")
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec, help="optimizer")
     grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
@@ -113,8 +147,10 @@ class PolicySpec:
                 "run's overlong_prompts says")
 
     def __post_init__(self):
-        check("{prompt}" in self.prompt_template, "prompt_template",
+        check(self.prompt_format == "chat" or "{prompt}" in self.prompt_template, "prompt_template",
               f"must contain '{{prompt}}', got {self.prompt_template!r}")
+        check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
+              "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
         try:
             make_probe(self.probes)
@@ -178,9 +214,21 @@ class RunConfig:
         "reject", help="prompts longer than a policy's max_prompt_length: 'reject' = never sample them (the "
                        "round draws others), 'truncate' = keep the longest tail of the prompt text that fits every "
                        "policy; counted per round as data/prompts_rejected, data/prompts_truncated")
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard", "jsonl"],
+        help="experiment trackers (TRL's name): any of tensorboard (tb/), jsonl (metrics.jsonl: always written, "
+             "resume and `mrl report` read it), wandb (pip install 'mrl-jax[wandb]'; WANDB_MODE=offline works "
+             "without network; files under the run directory); ['none'] = no tracker. Trackers get TRL's metric "
+             "names under <policy>/ (mrl_jax.trainer.trackers.TRL_NAMES)")
 
     def __post_init__(self):
         check(len(self.policies) >= 1, "policies", "needs at least one policy")
+        from mrl_jax.trainer.trackers import validate_report_to
+
+        try:
+            validate_report_to(self.report_to)
+        except ValueError as e:
+            check(False, "report_to", str(e))
         names = [p.name for p in self.policies]
         check(len(set(names)) == len(names), "policies", f"names must be unique, got {names}")
         for key in ("rounds", "prompts_per_round", "num_generations", "checkpoint_every", "keep_checkpoints"):

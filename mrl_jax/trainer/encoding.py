@@ -1,7 +1,8 @@
 """Host-side text <-> padded id arrays for one policy (numpy; no device work).
 
-Prompts are formatted with the policy's template and LEFT-padded (the sampler's layout); completions are
-RIGHT-padded, end with EOS when they ended, and are encoded as a *continuation* of the prompt (no
+Prompts are formatted with the policy's ``PromptFormat`` (a ``prompt_template`` or the checkpoint's chat
+template, see :mod:`mrl_jax.chat`) and LEFT-padded (the sampler's layout); completions are RIGHT-padded, end
+with a stop token when they ended (kept in the mask, stripped from the decoded text), and are encoded as a *continuation* of the prompt (no
 SentencePiece dummy prefix), so a completion's ids spell exactly its text's bytes — the boundary THL
 relies on: only the completion text crosses policies, each consumer puts its own prompt ids in front.
 """
@@ -12,22 +13,23 @@ from typing import Sequence
 
 import numpy as np
 
+from mrl_jax.chat import PromptFormat, as_prompt_format
 from mrl_jax.rollout import bucket_length
 from mrl_jax.tokenization import Tokenizer
 
 PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def encode_prompts(tokenizer: Tokenizer, template: str, texts: Sequence[str], *, max_len: int | None = None,
+def encode_prompts(tokenizer: Tokenizer, template: str | PromptFormat, texts: Sequence[str], *,
+                   max_len: int | None = None,
                    buckets: Sequence[int] = PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray, int]:
     """Format, tokenize and LEFT-pad prompts -> ``(ids int32[P, Tp], mask bool[P, Tp], n_truncated)``.
 
-    A BOS is prepended when the tokenizer has one. Prompts longer than ``max_len`` keep their last
-    ``max_len`` tokens (counted in ``n_truncated``). ``Tp`` is bucketed to bound recompiles.
+    ``template``: a ``prompt_template`` string (a BOS is prepended when the tokenizer has one) or a
+    ``PromptFormat`` (a chat format adds no BOS: its template writes it). Prompts longer than ``max_len`` keep
+    their last ``max_len`` tokens (counted in ``n_truncated``). ``Tp`` is bucketed to bound recompiles.
     """
-    seqs = tokenizer.encode_batch([template.format(prompt=t) for t in texts])
-    if tokenizer.bos_id is not None:
-        seqs = [[tokenizer.bos_id] + s for s in seqs]
+    seqs = as_prompt_format(template).encode(tokenizer, texts)
     n_truncated = 0
     if max_len is not None:
         n_truncated = sum(len(s) > max_len for s in seqs)
@@ -67,16 +69,20 @@ def encode_completions(tokenizer: Tokenizer, texts: Sequence[str], length: int, 
     return ids, mask, truncated
 
 
-def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray) -> tuple[list[str], list[list[int]]]:
-    """Sampled ``tokens int32[B, N]`` with ``mask bool[B, N]`` -> (texts, content ids without EOS/pads).
+def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray,
+                       stop_ids: Sequence[int] | None = None) -> tuple[list[str], list[list[int]]]:
+    """Sampled ``tokens int32[B, N]`` with ``mask bool[B, N]`` -> (texts, content ids without stop token/pads).
 
-    The text is the exact bytes of the content tokens (``decode(continuation=True)``), so THL can align
-    the sampled ids against it.
+    ``stop_ids``: the policy's stop set (``SamplingConfig.eos_ids``; default: the tokenizer's EOS); a row's
+    last masked token is dropped when it is one of them (the sampler keeps it in the mask). The text is the
+    exact bytes of the content tokens (``decode(continuation=True)``), so THL can align the sampled ids.
     """
+    stops = {tokenizer.eos_id} if stop_ids is None else set(int(i) for i in stop_ids)
+    stops.discard(None)
     texts, content = [], []
     for row, m in zip(np.asarray(tokens), np.asarray(mask)):
         ids = [int(t) for t in row[m.astype(bool)]]
-        if ids and tokenizer.eos_id is not None and ids[-1] == tokenizer.eos_id:
+        if ids and ids[-1] in stops:
             ids = ids[:-1]
         content.append(ids)
         texts.append(tokenizer.decode(ids, continuation=True))

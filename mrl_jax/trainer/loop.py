@@ -70,7 +70,7 @@ class Run:
             pol, st = build_policy(i, spec, tok, model, cfg)
             if warm and spec.warm_start.steps > 0:
                 ws = spec.warm_start
-                params, _ = warm_start(pol.graphdef, st.params, tok, spec.prompt_template, self.sft_draw(ws.part),
+                params, _ = warm_start(pol.graphdef, st.params, tok, pol.prompt_format, self.sft_draw(ws.part),
                                        steps=ws.steps,
                                        batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                        completion_length=spec.sampling.max_new_tokens, seed=cfg.seed * 1000 + i)
@@ -98,8 +98,7 @@ class Run:
         ``encode_prompts`` encodes it."""
         out = np.zeros((len(texts), len(self.policies)), np.int64)
         for k, pol in enumerate(self.policies):
-            seqs = pol.tokenizer.encode_batch([pol.spec.prompt_template.format(prompt=t) for t in texts])
-            out[:, k] = [len(q) + (pol.tokenizer.bos_id is not None) for q in seqs]
+            out[:, k] = [len(q) for q in pol.prompt_format.encode(pol.tokenizer, texts)]
         return out
 
     def _fits(self, text: str) -> bool:
@@ -286,7 +285,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         ckpt.close()
         raise
     # on resume, drop the records (and TensorBoard events) of rounds after the checkpoint: they are redone
-    log = RunLog(out, progress=progress, purge_step=start if resume else None)
+    log = RunLog(out, progress=progress, purge_step=start if resume else None, rounds=(start, cfg.rounds),
+                 report_to=cfg.report_to, config=to_dict(cfg))
     if resume:
         log.truncate_after(start - 1)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))

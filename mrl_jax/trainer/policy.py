@@ -8,12 +8,14 @@ changing arrays live in ``PolicyState``, a pytree the round passes in and return
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 from flax import nnx, struct
 
 from mrl_jax import models
+from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError
 from mrl_jax.learner import make_optimizer, make_update_step
 from mrl_jax.probes import Probe, make_probe
@@ -42,6 +44,7 @@ class Policy:
     probe: Probe
     optimizer: Any  # optax.GradientTransformation
     update: Callable  # (params, opt_state, Batch, SeeView, key) -> (params, opt_state, metrics)
+    prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
 
     @property
     def name(self) -> str:
@@ -68,6 +71,35 @@ def build_tokenizer(spec: PolicySpec, corpus: Sequence[str], cache_dir: str | No
         raise ConfigError(f"config key 'policies.{spec.name}.tokenizer': training a {spec.tokenizer.kind} tokenizer "
                           f"of vocab_size {spec.tokenizer.vocab_size} failed ({e}); raise vocab_size (byte-fallback "
                           "kinds need > 256 + the corpus alphabet).") from e
+
+
+def build_prompt_format(spec: PolicySpec, tokenizer: Tokenizer) -> PromptFormat:
+    """``prompt_template`` or, with ``prompt_format: chat``, the tokenizer folder's chat template."""
+    if spec.prompt_format != "chat":
+        return PromptFormat(template=spec.prompt_template)
+    key = f"policies.{spec.name}.prompt_format"
+    folder = tokenizer_folder(tokenizer)
+    if folder is None:
+        raise ConfigError(f"config key '{key}': chat needs a tokenizer folder with a chat template, but this "
+                          "policy's tokenizer is trained locally; set tokenizer.path (or model.path) or use "
+                          "prompt_format: template")
+    try:
+        return PromptFormat.chat_from(folder, system_prompt=spec.system_prompt)
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}': {e}") from e
+
+
+def build_stop_ids(spec: PolicySpec, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The policy's stop set: tokenizer EOS + generation_config.json eos_token_id(s) + ``stop_tokens``."""
+    folder = tokenizer_folder(tokenizer)
+    gen_folder = Path(spec.model.path) if spec.model.path else folder
+    try:
+        ids = stop_ids(tokenizer, gen_folder, spec.stop_tokens)
+        if folder is not None and gen_folder != folder:
+            ids = tuple(dict.fromkeys(ids + stop_ids(tokenizer, folder)))
+        return ids
+    except ValueError as e:
+        raise ConfigError(f"config key 'policies.{spec.name}.stop_tokens': {e}") from e
 
 
 def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
@@ -103,11 +135,13 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                                    temperature=spec.sampling.temperature)
     update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     s = spec.sampling
+    stops = build_stop_ids(spec, tokenizer)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                              top_p=s.top_p, eos_id=tokenizer.eos_id,
+                              top_p=s.top_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update)
+                    probe=probe, optimizer=optimizer, update=update,
+                    prompt_format=build_prompt_format(spec, tokenizer))
     return policy, PolicyState(params=params, opt_state=optimizer.init(params))
 
 

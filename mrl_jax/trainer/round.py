@@ -111,7 +111,7 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
     with timer("rollout"):
         launched = []
         for pol, ps in zip(policies, state.policies):
-            ids, mask, _ = encode_prompts(pol.tokenizer, pol.spec.prompt_template, texts)
+            ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts)
             ids, mask = np.repeat(ids, G, axis=0), np.repeat(mask, G, axis=0)
             out = generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), keys[pol.index],
                            pol.sampling)
@@ -119,7 +119,7 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
         rollouts = [(ids, mask, jax.device_get(out)) for ids, mask, out in launched]
 
     with timer("decode"):
-        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask)
+        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
                    for pol, (_, _, out) in zip(policies, rollouts)]
 
     with timer("rewards"):
@@ -185,6 +185,9 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
         m.update({f"see/{k}": float(np.asarray(v)) for k, v in info.items()})
         m.update(_mean_metrics(thl_metrics[pol.index], "thl/"))
         m.update({f"time/{k}": v for k, v in timer.times.items()})
+        # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
+        # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
+        m["groups"] = {"prompt_ids": [p.id for p in prompts], "rewards": r.tolist(), "tau": float(see.tau)}
         metrics[pol.name] = m
         for p in range(min(num_samples_logged, P)):
             samples.append({"policy": pol.name, "prompt": prompts[p].text, "answer": prompts[p].answer,

@@ -1,0 +1,165 @@
+"""Prompt formats and stop sets of a policy: raw templates, chat templates, and the ids that end a completion.
+
+A policy's prompt is either a plain ``prompt_template`` (``"Q: {prompt}\\nA:"``; a BOS is prepended when the
+tokenizer has one) or, with ``prompt_format: chat``, the checkpoint's own ``chat_template`` (from
+``tokenizer_config.json``, or ``chat_template.jinja`` next to it) rendered by ``transformers``
+(``PreTrainedTokenizerFast.apply_chat_template``; no Jinja of our own) as one user turn (after an optional
+system turn) with the generation prompt appended. A chat prompt is encoded as the template wrote it: its
+special-token spellings become control tokens and no BOS is added (the template writes ``bos_token`` itself
+when the model wants one), exactly as ``apply_chat_template(tokenize=True)`` does.
+
+    fmt = PromptFormat.chat_from(folder, system_prompt="Be brief.")   # or PromptFormat("Q: {prompt}\\nA:")
+    ids = fmt.encode(tokenizer, ["What is 2+3?"])                     # list[list[int]]
+
+``stop_ids(tokenizer, folder, extra)`` is the policy's stop set: the tokenizer's EOS, every id of
+``generation_config.json``'s ``eos_token_id`` (an int or a list: Llama-3 ``<|eot_id|>``, Qwen ``<|im_end|>``,
+Phi-3 ``<|end|>``) and the config's ``stop_tokens``; the sampler ends a row on any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+from mrl_jax.tokenization import Tokenizer
+
+__all__ = ["ChatTemplateError", "PromptFormat", "read_chat_template", "stop_ids", "tokenizer_folder"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class ChatTemplateError(ValueError):
+    """A chat format was asked of a tokenizer folder that has no chat template (message names file and key)."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or remove the file") from e
+
+
+def tokenizer_folder(tokenizer: Tokenizer) -> Path | None:
+    """The directory the tokenizer was loaded from (None for a locally trained one)."""
+    return Path(tokenizer.source).parent if tokenizer.source else None
+
+
+def read_chat_template(folder: str | Path) -> str:
+    """The ``chat_template`` of ``folder/tokenizer_config.json`` (a string, or the ``default`` entry of a list
+    of named templates), else ``folder/chat_template.jinja``; raises ``ChatTemplateError`` naming both."""
+    folder = Path(folder)
+    conf = _read_json(folder / "tokenizer_config.json")
+    tpl = conf.get("chat_template")
+    if isinstance(tpl, list):
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if not tpl and (folder / "chat_template.jinja").is_file():
+        tpl = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if not isinstance(tpl, str) or not tpl.strip():
+        raise ChatTemplateError(
+            f"{folder / 'tokenizer_config.json'} has no 'chat_template' key (and {folder} has no chat_template.jinja); "
+            "add the model's chat template there, or use prompt_format: template with a prompt_template")
+    return tpl
+
+
+class _ChatRenderer:
+    """``render(texts) -> list[str]`` through transformers' ``apply_chat_template`` (built on first use)."""
+
+    def __init__(self, folder: Path, template: str, system_prompt: str | None):
+        self.folder, self.template, self.system_prompt = folder, template, system_prompt
+        self._hf = None
+
+    def _tokenizer(self):
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            conf = _read_json(self.folder / "tokenizer_config.json")
+            specials = {}
+            for k in _SPECIAL_KEYS:
+                v = conf.get(k)
+                v = v.get("content") if isinstance(v, dict) else v
+                if isinstance(v, str):
+                    specials[k] = v
+            self._hf = PreTrainedTokenizerFast(tokenizer_file=str(self.folder / "tokenizer.json"),
+                                               chat_template=self.template, **specials)
+        return self._hf
+
+    def messages(self, text: str) -> list[dict]:
+        turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return turns + [{"role": "user", "content": text}]
+
+    def render(self, texts: Sequence[str]) -> list[str]:
+        hf = self._tokenizer()
+        try:
+            return [hf.apply_chat_template(self.messages(t), add_generation_prompt=True, tokenize=False)
+                    for t in texts]
+        except Exception as e:  # jinja2 raises TemplateError subclasses (e.g. "System role not supported")
+            raise ValueError(f"{self.folder / 'tokenizer_config.json'}: rendering its 'chat_template' failed "
+                             f"({type(e).__name__}: {e}); drop system_prompt or fix the template") from e
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptFormat:
+    """How a policy turns a prompt text into ids: ``template`` (``{prompt}`` substituted, BOS prepended when
+    the tokenizer has one) or a chat template (``chat`` set; template ignored; no BOS added)."""
+
+    template: str = "{prompt}"
+    chat: _ChatRenderer | None = None
+
+    @classmethod
+    def chat_from(cls, folder: str | Path, system_prompt: str | None = None) -> "PromptFormat":
+        folder = Path(folder)
+        return cls(chat=_ChatRenderer(folder, read_chat_template(folder), system_prompt))
+
+    @property
+    def is_chat(self) -> bool:
+        return self.chat is not None
+
+    def render(self, texts: Sequence[str]) -> list[str]:
+        """Prompt strings as the model sees them (before tokenization)."""
+        if self.chat is not None:
+            return self.chat.render(texts)
+        return [self.template.format(prompt=t) for t in texts]
+
+    def encode(self, tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+        """Prompt ids (unpadded): ``render`` then tokenize; BOS first for a template when the tokenizer has one."""
+        seqs = tokenizer.encode_batch(self.render(texts))
+        if self.chat is None and tokenizer.bos_id is not None:
+            seqs = [[tokenizer.bos_id] + s for s in seqs]
+        return seqs
+
+
+def as_prompt_format(fmt: "str | PromptFormat") -> PromptFormat:
+    return fmt if isinstance(fmt, PromptFormat) else PromptFormat(template=fmt)
+
+
+def _ids(value) -> list[int]:
+    if value is None or isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def stop_ids(tokenizer: Tokenizer, folder: str | Path | None = None,
+             extra: Sequence[int | str] = ()) -> tuple[int, ...]:
+    """The stop set, in order, without repeats: tokenizer EOS, ``folder/generation_config.json``'s
+    ``eos_token_id`` (int or list), then ``extra`` (token spellings or ids). Raises ``ValueError`` naming an
+    ``extra`` entry that is not a token of ``tokenizer``."""
+    out: list[int] = []
+    if tokenizer.eos_id is not None:
+        out.append(int(tokenizer.eos_id))
+    if folder is not None:
+        gen = _read_json(Path(folder) / "generation_config.json")
+        out += [i for i in _ids(gen.get("eos_token_id")) if 0 <= i < tokenizer.vocab_size]
+    for t in extra:
+        i = t if isinstance(t, int) else tokenizer.token_to_id(t)
+        if i is None or not 0 <= int(i) < tokenizer.vocab_size:
+            raise ValueError(f"stop token {t!r} is not in the tokenizer (vocabulary of {tokenizer.vocab_size}); "
+                             "give a token spelling from its tokenizer.json (e.g. '<|im_end|>') or an id")
+        out.append(int(i))
+    return tuple(dict.fromkeys(out))
