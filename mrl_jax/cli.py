@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, a couple of minutes on CPU")
     bench.add_argument("--only", default=None, help="comma-separated subset of benchmarks to run")
 
+    report = sub.add_parser("report", help="plots and a markdown summary of a run directory",
+                            description="Read a run directory of `mrl train` (metrics.jsonl, groups.jsonl, "
+                            "samples.jsonl, summary.json; also while it runs or after it was killed) and write PNG "
+                            "plots (reward/success, KL, entropy, clip ratios, each probe's counters, the "
+                            "complementarity matrix), summary.md and report.json into --out.")
+    report.add_argument("run", type=Path, help="the run directory (--out of `mrl train`)")
+    _add_out(report)
+
     sub.add_parser("config-help", help="print every run-config key with its type, default and meaning")
     return parser
 
@@ -115,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
 
             only = args.only.split(",") if args.only else None
             summary = run_benchmarks(args.out, quick=args.quick, only=only)
+        elif args.verb == "report":
+            from mrl_jax.report import write_report
+
+            if args.out.resolve() == args.run.resolve():
+                print("mrl report: --out must not be the run directory (its summary.json would be replaced)",
+                      file=sys.stderr)
+                return 2
+            summary = write_report(args.run, args.out)
         else:  # config-help
             from mrl_jax.configs import describe
             from mrl_jax.trainer.config import RunConfig
