@@ -103,7 +103,7 @@ class Progress:
 
         self._rich = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
                                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
-                                  TextColumn("{task.fields[figures]}"), console=Console(file=self.stream),
+                                  TextColumn("{task.fields[figures]}"), console=Console(file=self.stream, force_terminal=True),
                                   redirect_stdout=True, redirect_stderr=True)
         self._rich.start()
         self._task = self._rich.add_task(self.title, total=self.total, eta="?", figures="")

@@ -69,7 +69,7 @@ class RunLog:
             self._progress = progress
         else:
             self._progress = Progress(None if end is None else end - first, title="train", enabled=bool(progress))
-            self._progress.start(str(first), compile=True)   # the first round of a process compiles
+        self._progress.start(str(first), compile=True)   # the first round of a process compiles
         self._end = end
         self._eval: dict[str, float] = {}
         self._last: dict[str, Mapping] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -104,7 +105,7 @@ class WandbTracker:
         except ImportError as e:
             raise ImportError("report_to: wandb needs the W&B client: pip install 'mrl-jax[wandb]'") from e
         id_file = out_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
         wandb_dir = Path(os.environ.get("WANDB_DIR") or out_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
