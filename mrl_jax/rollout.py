@@ -6,19 +6,26 @@ The one entry point is :func:`generate`::
     cfg = SamplingConfig(max_new_tokens=256, temperature=1.0, top_p=0.95, eos_id=tok.eos_id, pad_id=tok.pad_id)
     ids, mask = left_pad(tok.encode_batch(prompts), pad_id=tok.pad_id, buckets=(64, 128, 256))
     out = generate(graphdef, params, ids, mask, key, cfg)   # Rollout(tokens, logprobs, mask, lengths, truncated)
+    out = generate(graphdef, params, ids, mask, key, cfg, num_samples=G)   # [P * G, N], prompt-major
 
 How it works (all on device, no host sync inside the loop):
 
 * one ``jax.jit`` program per (graphdef, prompt shape, params shapes/dtypes, :class:`SamplingConfig`);
   :func:`bucket_length` / :func:`left_pad` bound the prompt shapes, so a run compiles a handful of times.
-* the KV cache ``model.init_cache(B, Tp + max_new_tokens)`` is allocated inside the program (a memset,
-  no host transfer) and updated in place: it is a loop carry and ``model.decode`` writes it with
-  ``lax.dynamic_update_slice``, so XLA aliases the buffer across iterations (no copies).
-* the left-padded prompt is prefilled ONCE with ``model.decode`` (slots ``[0, Tp)``); the LM head is
-  applied to the last prompt position only (``model.decode_hidden`` + ``model.head``).
-* the decode loop does exactly one ``model.decode`` on ``[B, 1]`` per generated token, then samples.
-  With an ``eos_id`` it is a ``lax.while_loop`` that stops as soon as every row has emitted EOS
-  (``stop_early=True``); otherwise a fixed-trip ``lax.fori_loop``.
+* ``num_samples=G``: the P prompts are prefilled ONCE (``model.prefill_shared``) and each prompt's
+  keys/values are shared by its G samples; rows are prompt-major (row p * G + g) and equal, with the
+  same key, those of ``generate(np.repeat(ids, G, 0), np.repeat(mask, G, 0), ...)``.
+* the cache (:class:`mrl_jax.models.SampleCache`) is allocated inside the program (a memset, no host
+  transfer): per layer, the prompt part [P, K, Tp, D] and the generated part [P * G, K, Lg, D], heads-major
+  so that the decode step's attention matmuls read it in place (the stacked [L, B, S, K, D] layout made
+  XLA copy-transpose every layer's whole cache at every step). It is a loop carry written with
+  ``lax.dynamic_update_slice``, so XLA aliases the buffers across iterations.
+* the generated part grows in length buckets (:func:`gen_buckets`: 32, 64, ..., N - 1): one decode
+  loop per bucket, each attending over its bucket only, not over ``max_new_tokens`` at every step.
+* the LM head is applied to the last prompt position only; each decode step runs one
+  ``model.decode_step`` on ``[B, 1]`` per generated token, then samples.
+  With an ``eos_id`` the loops are ``lax.while_loop``s that stop as soon as every row has emitted EOS
+  (``stop_early=True``); otherwise fixed-trip ``lax.fori_loop``s.
 * randomness: the caller passes a fresh key per call; step ``i`` uses ``jax.random.fold_in(key, i)``,
   so no key is ever used twice within a call.
 
@@ -61,6 +68,7 @@ __all__ = [
     "categorical",
     "nucleus_mask",
     "trace_count",
+    "gen_buckets",
     "DEFAULT_BUCKETS",
 ]
 
@@ -346,33 +354,80 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
 # --------------------------------------------------------------------------------------------------
 # The sampler
 # --------------------------------------------------------------------------------------------------
-def _prefill(model, ids, positions, cache, kv_mask):
-    """Write the prompt into slots [0, Tp) and return the last position's logits f32[B, V].
+GEN_BUCKET_MIN = 32  # smallest length bucket of the generated part of the cache (then doubling)
 
-    Only the last prompt position's logits are needed: with ``model.decode_hidden`` (mrl_jax.models)
-    the LM head runs on that row alone. A model with only ``decode`` gets full [B, Tp, V] logits
-    sliced (XLA does not sink the slice into the head matmul): correct, but Tp x the head work.
+
+def gen_buckets(max_new_tokens: int, smallest: int = GEN_BUCKET_MIN) -> tuple[int, ...]:
+    """Length buckets of the generated part of the cache: decode step i (1 <= i < N) attends over the
+    first bucket >= i, so early steps do not read ``max_new_tokens`` slots. Doubling from ``smallest``,
+    the last one N - 1 (token N - 1 is sampled, never fed). () for N == 1."""
+    need = max_new_tokens - 1
+    out, b = [], smallest
+    while b < need:
+        out.append(b)
+        b *= 2
+    return tuple(out) + ((need,) if need > 0 else ())
+
+
+def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):
+    """Write step i's token (pad after a row stopped) into the [B, N] outputs; update ``done``."""
+    live = ~done
+    tok = jnp.where(live, tok, pad)
+    lp = jnp.where(live, lp, 0.0)
+    tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
+    logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, i))
+    out_mask = jax.lax.dynamic_update_slice(out_mask, live[:, None], (0, i))
+    if eos is not None:
+        done = done | jnp.any(tok[:, None] == eos[None, :], axis=-1)
+    return tok, done, tokens, logps, out_mask
+
+
+def _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos):
+    """Decode steps 1..N-1, one loop per length bucket (the cache grows between them).
+
+    carry: (tok [B], done [B], tokens/logps/out_mask [B, N]); step i feeds token i-1 at generated slot
+    i-1 and samples token i with ``fold_in(key, i)``. Returns the final carry.
     """
-    zero = jnp.zeros((), jnp.int32)
-    if hasattr(model, "decode_hidden"):
-        h, cache = model.decode_hidden(ids, positions, cache, zero, kv_mask)
-        return model.head(h[:, -1]).astype(jnp.float32), cache
-    logits, cache = model.decode(ids, positions, cache, zero, kv_mask)
-    return logits[:, -1].astype(jnp.float32), cache
+    n = config.max_new_tokens
+
+    def body(i, state):
+        cache, tok, done, tokens, logps, out_mask = state
+        pos = (prompt_len + i - 1)[:, None]
+        logits, cache = model.decode_step(tok[:, None], pos, cache, i - 1)
+        tok, lp = sample_step(logits[:, -1], jax.random.fold_in(key, i), config)
+        return (cache,) + _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos)
+
+    state, start = (cache,) + tuple(carry), 1
+    for size in gen_buckets(n):
+        end = min(size + 1, n)  # steps [start, end) write generated slots < size
+        state = (state[0].grow(size),) + state[1:]
+        if eos is not None and config.stop_early:
+            def cond(s, end=end):
+                return (s[0] < end) & ~jnp.all(s[1][2])
+
+            _, state = jax.lax.while_loop(cond, lambda s: (s[0] + 1, body(s[0], s[1])),
+                                          (jnp.int32(start), state))
+        else:
+            state = jax.lax.fori_loop(start, end, body, state)
+        start = end
+    return state[1:]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples",))
 def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-             config: SamplingConfig) -> Rollout:
-    """Sample ``config.max_new_tokens`` tokens after each LEFT-padded prompt.
+             config: SamplingConfig, *, num_samples: int = 1) -> Rollout:
+    """Sample ``config.max_new_tokens`` tokens after each LEFT-padded prompt, ``num_samples`` times.
 
     Args:
       graphdef, params: ``nnx.split(model)`` (graphdef is static: one compile per architecture).
-      prompt_ids: int32[B, Tp], left-padded. Every row needs >= 1 real token (its last column).
-      prompt_mask: bool[B, Tp], True on real tokens.
+      prompt_ids: int32[P, Tp], left-padded. Every row needs >= 1 real token (its last column).
+      prompt_mask: bool[P, Tp], True on real tokens.
       key: a PRNG key, fresh for every call (step i uses ``fold_in(key, i)``).
       config: :class:`SamplingConfig` (static).
-    Returns: :class:`Rollout` with arrays of shape [B, N], N = ``config.max_new_tokens``.
+      num_samples: G (static). Each prompt is prefilled ONCE and its cache shared by its G samples;
+        the rows are prompt-major (row p * G + g), the same rows (and, with the same key, the same
+        samples) as ``generate(np.repeat(prompt_ids, G, 0), np.repeat(prompt_mask, G, 0), ...)``.
+    Returns: :class:`Rollout` with arrays of shape [P * G, N], N = ``config.max_new_tokens``.
     """
     global _TRACES
     _TRACES += 1
@@ -382,71 +437,35 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
                          f"{prompt_ids.shape} and {prompt_mask.shape}")
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"generate: config must be a SamplingConfig, got {type(config).__name__}")
+    if int(num_samples) < 1:
+        raise ValueError(f"generate: num_samples must be >= 1, got {num_samples}")
     model = nnx.merge(graphdef, params)
-    b, tp = prompt_ids.shape
-    n = config.max_new_tokens
-    s = tp + n
+    p, tp = prompt_ids.shape
+    g, n = int(num_samples), config.max_new_tokens
     mcfg = getattr(model, "config", None)
-    if getattr(mcfg, "family", None) == "gpt2" and s > mcfg.max_position_embeddings:
+    if getattr(mcfg, "family", None) == "gpt2" and tp + n > mcfg.max_position_embeddings:
         raise ValueError(f"generate: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
                          f"{mcfg.max_position_embeddings} learned positions")
     pad = jnp.int32(config.pad_id)
     eos = jnp.asarray(config.eos_ids, jnp.int32) if config.eos_ids else None
 
-    prompt_ids = prompt_ids.astype(jnp.int32)
     pmask = prompt_mask.astype(bool)
     positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
-    prompt_len = jnp.sum(pmask, axis=-1, dtype=jnp.int32)  # [B]; position of generated token i = len + i
+    buckets = gen_buckets(n)
+    h, cache = model.prefill_shared(prompt_ids.astype(jnp.int32), positions, pmask, num_rows=p * g,
+                                    gen_len=buckets[0] if buckets else 1)
+    logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)  # [B, V], B = P * G
+    prompt_len = jnp.repeat(jnp.sum(pmask, axis=-1, dtype=jnp.int32), g)  # generated token i at len + i
 
-    cache = model.init_cache(b, s)
-    kv_mask0 = jnp.concatenate([pmask, jnp.zeros((b, n), bool)], axis=1)
-    logits, cache = _prefill(model, prompt_ids, positions, cache, kv_mask0)
-
-    def record(i, tok, lp, done, tokens, logps, out_mask):
-        live = ~done
-        tok = jnp.where(live, tok, pad)
-        lp = jnp.where(live, lp, 0.0)
-        tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
-        logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, i))
-        out_mask = jax.lax.dynamic_update_slice(out_mask, live[:, None], (0, i))
-        if eos is not None:
-            done = done | jnp.any(tok[:, None] == eos[None, :], axis=-1)
-        return tok, done, tokens, logps, out_mask
-
+    b = p * g
     tokens = jnp.full((b, n), pad, jnp.int32)
     logps = jnp.zeros((b, n), jnp.float32)
     out_mask = jnp.zeros((b, n), bool)
-    done = jnp.zeros((b,), bool)
     tok, lp = sample_step(logits, jax.random.fold_in(key, 0), config)
-    tok, done, tokens, logps, out_mask = record(0, tok, lp, done, tokens, logps, out_mask)
-
-    gen_slots = jnp.arange(n, dtype=jnp.int32)[None, :]
-
-    def body(i, carry):
-        cache, tok, done, tokens, logps, out_mask = carry
-        # Feed token i-1 at slot tp+i-1; valid slots afterwards: prompt + generated [0, i).
-        kv_mask = jnp.concatenate([pmask, jnp.broadcast_to(gen_slots < i, (b, n))], axis=1)
-        pos = (prompt_len + i - 1)[:, None]
-        logits, cache = model.decode(tok[:, None], pos, cache, (tp + i - 1).astype(jnp.int32), kv_mask)
-        tok, lp = sample_step(logits[:, -1], jax.random.fold_in(key, i), config)
-        tok, done, tokens, logps, out_mask = record(i, tok, lp, done, tokens, logps, out_mask)
-        return cache, tok, done, tokens, logps, out_mask
-
-    carry = (cache, tok, done, tokens, logps, out_mask)
+    carry = _record(0, tok, lp, jnp.zeros((b,), bool), tokens, logps, out_mask, pad, eos)
     if n > 1:
-        if eos is not None and config.stop_early:
-            def cond(state):
-                i, carry = state
-                return (i < n) & ~jnp.all(carry[2])
-
-            def wbody(state):
-                i, carry = state
-                return i + 1, body(i, carry)
-
-            _, carry = jax.lax.while_loop(cond, wbody, (jnp.int32(1), carry))
-        else:
-            carry = jax.lax.fori_loop(1, n, body, carry)
-    _, _, done, tokens, logps, out_mask = carry
+        carry = _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos)
+    _, done, tokens, logps, out_mask = carry
     return Rollout(
         tokens=tokens,
         logprobs=logps,
@@ -456,7 +475,9 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     )
 
 
-def sample(model: nnx.Module, prompt_ids, prompt_mask, key, config: SamplingConfig) -> Rollout:
+def sample(model: nnx.Module, prompt_ids, prompt_mask, key, config: SamplingConfig, *,
+           num_samples: int = 1) -> Rollout:
     """Convenience: ``generate(*nnx.split(model), ...)``."""
     graphdef, params = nnx.split(model)
-    return generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, config)
+    return generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), key, config,
+                    num_samples=num_samples)

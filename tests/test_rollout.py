@@ -269,3 +269,52 @@ def test_no_recompile_and_keys_differ(llama):
     assert len({tuple(r) for r in np.asarray(a.tokens).T.tolist()}) > 1
     for out in (a, b):
         _check_eos_invariants(out, 5)
+
+
+# ------------------------------------------------------------------------------------------ prefill once, G samples
+G_SAMPLES = 3
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(greedy=True), dict(temperature=0.8, top_k=5, eos_id=7)],
+                         ids=["sampled", "greedy", "topk_eos"])
+def test_num_samples_equals_repeated_prompts(fam, kw):
+    """generate(P prompts, num_samples=G) == generate(np.repeat(prompts, G)) row for row, same key."""
+    name, g, p, ids, mask = fam
+    cfg = SamplingConfig(max_new_tokens=N_NEW, pad_id=0, **kw)
+    key = jax.random.key(11)
+    shared = generate(g, p, ids, mask, key, cfg, num_samples=G_SAMPLES)
+    rep = generate(g, p, jnp.repeat(ids, G_SAMPLES, 0), jnp.repeat(mask, G_SAMPLES, 0), key, cfg)
+    assert shared.tokens.shape == (ids.shape[0] * G_SAMPLES, N_NEW)
+    for field in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(shared, field)), np.asarray(getattr(rep, field)),
+                                      err_msg=f"{name} {field}")
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(rep.logprobs), atol=1e-5, rtol=1e-5)
+    if "greedy" not in kw:  # the G samples of a prompt differ (per-row keys), rows stay prompt-major
+        toks = np.asarray(shared.tokens).reshape(ids.shape[0], G_SAMPLES, N_NEW)
+        assert any(len({tuple(r) for r in t}) > 1 for t in toks)
+
+
+def test_gen_buckets_and_long_generation_equal_full_forward(llama):
+    """Several length buckets of the generated cache (the cache grows between decode loops)."""
+    assert ro.gen_buckets(1) == () and ro.gen_buckets(16) == (15,) and ro.gen_buckets(33) == (32,)
+    assert ro.gen_buckets(64) == (32, 63) and ro.gen_buckets(200) == (32, 64, 128, 199)
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, pad_id=0)
+    out = generate(g, p, ids, mask, jax.random.key(5), cfg, num_samples=2)
+    rep_ids, rep_mask = jnp.repeat(ids, 2, 0), jnp.repeat(mask, 2, 0)
+    full = _full_logits(g, p, rep_ids, rep_mask, out)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(full, -1), out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)
+
+
+def test_sliding_window_sampler_equals_full_forward():
+    """mistral with a window shorter than prompt + generation: the window masks both cache parts."""
+    m = models.tiny_model("mistral", VOCAB, seed=4, hidden_size=32, intermediate_size=64, sliding_window=3)
+    g, p = nnx.split(m)
+    p = jax.tree_util.tree_map(lambda x: x * 3.0, p)
+    ids, mask = (jnp.asarray(a) for a in left_pad(PROMPTS, pad_id=0, length=8))
+    out = generate(g, p, ids, mask, jax.random.key(2), SamplingConfig(max_new_tokens=N_NEW, pad_id=0),
+                   num_samples=2)
+    full = _full_logits(g, p, jnp.repeat(ids, 2, 0), jnp.repeat(mask, 2, 0), out)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(full, -1), out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(lp), atol=2e-4)

@@ -6,7 +6,7 @@
     logits, cache = model.decode(ids, positions, cache, cache_index, kv_mask)
     graphdef, params = nnx.split(model); nnx.merge(graphdef, params)(ids)
 """
-from .attention import KVCache, attention, default_positions, make_mask
+from .attention import KVCache, SampleCache, attention, default_positions, make_mask
 from .checkpoint import check_tokenizer_fits, from_pretrained, hf_state_dict, read_config, save_pretrained
 from .config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
 from .factory import abstract_model, build_model, tiny_config, tiny_model
@@ -15,7 +15,7 @@ from .layers import CausalLM
 from .llama import LlamaForCausalLM
 
 __all__ = [
-    "KVCache", "attention", "default_positions", "make_mask",
+    "KVCache", "SampleCache", "attention", "default_positions", "make_mask",
     "check_tokenizer_fits", "from_pretrained", "hf_state_dict", "read_config", "save_pretrained",
     "SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig",
     "abstract_model", "build_model", "tiny_config", "tiny_model",

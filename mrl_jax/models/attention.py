@@ -39,6 +39,66 @@ class KVCache:
         return self.k.shape[1]
 
 
+@struct.dataclass
+class SampleCache:
+    """The sampler's cache: P prompts, each shared by its G samples (B = P * G rows, row b = p * G + g).
+
+    pk, pv: tuple of L arrays [P, K, Tp, D]: the prompt's keys/values, written ONCE per prompt (prefill).
+    gk, gv: tuple of L arrays [B, K, Lg, D]: the generated tokens' keys/values, Lg the current length bucket
+      (:meth:`grow` pads it to the next bucket).
+    pmask: bool[P, Tp], True on real prompt tokens (left padding False).
+    Heads-major [K, S, D] per row: the decode step's two attention matmuls read the cache in place (no
+    transposed copy), and one array per layer is updated and read without slicing a stacked [L, ...] array.
+    """
+
+    pk: tuple
+    pv: tuple
+    gk: tuple
+    gv: tuple
+    pmask: jax.Array
+
+    @classmethod
+    def from_prefill(cls, kv: "KVCache", pmask: jax.Array, num_rows: int, gen_len: int) -> "SampleCache":
+        """From a prefilled KVCache [L, P, Tp, K, D] (S = Tp): prompt part heads-major, generated part zeroed
+        for ``num_rows`` = P * G rows and ``gen_len`` slots."""
+        L = kv.k.shape[0]
+        pk = tuple(kv.k[i].transpose(0, 2, 1, 3) for i in range(L))
+        pv = tuple(kv.v[i].transpose(0, 2, 1, 3) for i in range(L))
+        return cls(pk=pk, pv=pv, gk=(), gv=(), pmask=pmask.astype(bool)).with_rows(num_rows, gen_len)
+
+    def with_rows(self, num_rows: int, gen_len: int) -> "SampleCache":
+        """Zeroed generated part for ``num_rows`` = P * G rows and ``gen_len`` slots."""
+        P, K, _, D = self.pk[0].shape
+        z = jnp.zeros((num_rows, K, gen_len, D), self.pk[0].dtype)
+        return self.replace(gk=(z,) * len(self.pk), gv=(z,) * len(self.pk))
+
+    def grow(self, gen_len: int) -> "SampleCache":
+        """Pad the generated part to ``gen_len`` slots (the next length bucket; one copy per bucket)."""
+        pad = gen_len - self.gk[0].shape[2]
+        if pad <= 0:
+            return self
+        widths = ((0, 0), (0, 0), (0, pad), (0, 0))
+        return self.replace(gk=tuple(jnp.pad(x, widths) for x in self.gk),
+                            gv=tuple(jnp.pad(x, widths) for x in self.gv))
+
+    @property
+    def num_samples(self) -> int:
+        return self.gk[0].shape[0] // self.pk[0].shape[0]
+
+    def step_masks(self, gen_index, window: Optional[int] = None) -> Tuple[jax.Array, jax.Array]:
+        """(bool[P, Tp], bool[Lg]) for a new token written at generated slot ``gen_index`` (query slot
+        Tp + gen_index): real prompt slots, generated slots <= gen_index, and the sliding window."""
+        tp, lg = self.pmask.shape[1], self.gk[0].shape[2]
+        j = jnp.asarray(gen_index, jnp.int32)
+        ps = jnp.arange(tp, dtype=jnp.int32)
+        gs = jnp.arange(lg, dtype=jnp.int32)
+        pm, gm = self.pmask, gs <= j
+        if window is not None:
+            pm = pm & (ps > tp + j - window)[None, :]
+            gm = gm & (gs > j - window)
+        return pm, gm
+
+
 def default_positions(input_ids: jax.Array, attention_mask: Optional[jax.Array]) -> jax.Array:
     """int32[B, T]: cumsum(mask) - 1 clipped at 0 (left padding works); arange(T) without a mask."""
     B, T = input_ids.shape
@@ -81,11 +141,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     """Grouped-query attention with an explicit cache in and out.
 
     q: [B, T, H, D]; k, v: [B, T, K, D] for the T new tokens; mask: bool[B, T, S].
-    cache None: the keys are the new tokens (S = T). Otherwise the new k/v are written into
+    cache None: the keys are the new tokens (S = T). A KVCache: the new k/v are written into
     ``cache`` layer ``layer`` at slots [cache_index, cache_index + T) (caller keeps cache_index + T <= S)
-    and the queries attend over all S slots of that layer.
+    and the queries attend over all S slots of that layer. A SampleCache (one decode step, T = 1): see
+    :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair.
     Scores, mask and softmax in float32; returns ([B, T, H, D] in q.dtype, updated cache or None).
     """
+    if isinstance(cache, SampleCache):
+        return _attend_shared(q, k, v, mask, scale, cache, layer, cache_index)
     if cache is not None:
         idx = jnp.asarray(cache_index, jnp.int32)
         zero = jnp.zeros((), jnp.int32)
@@ -102,3 +165,40 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
     return out.reshape(B, T, H, D), cache
+
+
+def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_index):
+    """One decode step (T = 1) over a SampleCache: each prompt's keys are read once for its G rows.
+
+    q: [B, 1, H, D]; k, v: [B, 1, K, D] (written at generated slot ``gen_index`` of layer ``layer``);
+    masks: (bool[P, Tp], bool[Lg]). Scores of the prompt part [P, K, G*g, Tp] and of the generated part
+    [B, K, g, Lg] share one float32 softmax, so this equals attention over the concatenated slots.
+    """
+    B, T, H, D = q.shape
+    P, K, Tp, _ = cache.pk[layer].shape
+    G, g = B // P, H // K
+    j = jnp.asarray(gen_index, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    dt = cache.gk[layer].dtype
+    start = (zero, zero, j, zero)
+    gk = jax.lax.dynamic_update_slice(cache.gk[layer], k.reshape(B, K, 1, D).astype(dt), start)
+    gv = jax.lax.dynamic_update_slice(cache.gv[layer], v.reshape(B, K, 1, D).astype(dt), start)
+    cache = cache.replace(gk=_set(cache.gk, layer, gk), gv=_set(cache.gv, layer, gv))
+    pmask, gmask = masks
+    qb = q.reshape(B, K, g, D)
+    qp = qb.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
+    sp = jnp.einsum("pkqd,pksd->pkqs", qp, cache.pk[layer].astype(q.dtype), preferred_element_type=jnp.float32)
+    sp = jnp.where(pmask[:, None, None, :], sp * scale, _NEG)
+    sp = sp.reshape(P, K, G, g, Tp).transpose(0, 2, 1, 3, 4).reshape(B, K, g, Tp)
+    sg = jnp.einsum("bkqd,bksd->bkqs", qb, gk.astype(q.dtype), preferred_element_type=jnp.float32)
+    sg = jnp.where(gmask[None, None, None, :], sg * scale, _NEG)
+    probs = jax.nn.softmax(jnp.concatenate([sp, sg], axis=-1), axis=-1).astype(q.dtype)
+    pp = probs[..., :Tp].reshape(P, G, K, g, Tp).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, Tp)
+    op = jnp.einsum("pkqs,pksd->pkqd", pp, cache.pv[layer].astype(q.dtype))
+    op = op.reshape(P, K, G, g, D).transpose(0, 2, 1, 3, 4).reshape(B, K, g, D)
+    og = jnp.einsum("bkqs,bksd->bkqd", probs[..., Tp:], gv.astype(q.dtype))
+    return (op + og).reshape(B, T, H, D), cache
+
+
+def _set(xs: tuple, i: int, x) -> tuple:
+    return xs[:i] + (x,) + xs[i + 1:]

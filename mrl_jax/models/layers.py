@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import KVCache, default_positions, make_mask
+from .attention import KVCache, SampleCache, default_positions, make_mask
 from .config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -103,13 +103,15 @@ class CausalLM(nnx.Module):
         """f32 logits [..., V] from hidden states [..., D] (tied or untied head)."""
         raise NotImplementedError
 
-    def _masks(self, kv_mask, cache_index, T):
+    def _masks(self, kv_mask, cache_index, T, cache=None):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+        if isinstance(cache, SampleCache):
+            return {w: cache.step_masks(cache_index, w) for w in windows}
         return {w: make_mask(kv_mask, cache_index, T, w) for w in windows}
 
     def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
         x = self.embed(input_ids, positions)
-        masks = self._masks(kv_mask, cache_index, input_ids.shape[1])
+        masks = self._masks(kv_mask, cache_index, input_ids.shape[1], cache)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
                              cache_index=cache_index)
@@ -156,4 +158,25 @@ class CausalLM(nnx.Module):
         input_ids, positions: int32[B, T]; kv_mask: bool[B, S]; cache_index: int32 scalar (may be traced);
         the caller must keep cache_index + T <= S."""
         h, cache = self.decode_hidden(input_ids, positions, cache, cache_index, kv_mask)
+        return self.head(h), cache
+
+    # -- the sampler's prompt-shared cache (mrl_jax.rollout)
+    def prefill_shared(self, input_ids: jax.Array, positions: jax.Array, prompt_mask: jax.Array, *,
+                       num_rows: int, gen_len: int) -> Tuple[jax.Array, SampleCache]:
+        """Prefill P prompts ONCE: (final-norm hidden state of the last prompt position [P, D], SampleCache
+        whose generated part has ``num_rows`` (= P * G) rows and ``gen_len`` slots).
+
+        input_ids, positions: int32[P, Tp]; prompt_mask: bool[P, Tp] (left padding False)."""
+        P, Tp = input_ids.shape
+        kv = self.init_cache(P, Tp)
+        h, kv = self.decode_hidden(input_ids, positions, kv, 0, prompt_mask)
+        cache = SampleCache.from_prefill(kv, prompt_mask, num_rows, gen_len)
+        return h[:, -1], cache
+
+    def decode_step(self, input_ids: jax.Array, positions: jax.Array, cache: SampleCache,
+                    gen_index) -> Tuple[jax.Array, SampleCache]:
+        """One token per row over a SampleCache: input_ids, positions int32[B, 1]; the new k/v go to
+        generated slot ``gen_index`` (int32 scalar, may be traced). Returns (f32 logits [B, 1, V], cache)."""
+        h, cache = self._run(jnp.asarray(input_ids, jnp.int32), jnp.asarray(positions, jnp.int32), None, cache,
+                             jnp.asarray(gen_index, jnp.int32))
         return self.head(h), cache
