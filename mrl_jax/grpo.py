@@ -257,7 +257,8 @@ def aggregate(per_token: jax.Array, mask: jax.Array, loss_type: str = "grpo",
     """(sum, denominator) of a per-token quantity f32[B, T] for a TRL loss_type.
 
     grpo:  sum_rows (sum_t x*m / max(sum_t m, 1)), denom = number of valid rows.
-    dapo/bnpo: sum x*m, denom = sum m (global token mean).
+    dapo/bnpo: sum x*m, denom = sum m (token mean; the objective gives bnpo its TRL meaning by using the
+    tokens of each micro-batch, dapo those of the whole batch).
     dr_grpo: sum x*m, denom = num valid rows * max_completion_length (default T).
     row_valid f32/bool[B]: rows that count in grpo/dr_grpo denominators (default: all rows).
     """
@@ -282,7 +283,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
                 max_completion_length: Optional[int] = None,
                 weights: Optional[jax.Array] = None, row_valid: Optional[jax.Array] = None,
                 shaping_mask: Optional[jax.Array] = None, shaping_logratio: Optional[jax.Array] = None,
-                shaping_gamma: float = 0.1) -> tuple[jax.Array, jax.Array, dict]:
+                shaping_gamma=0.1, metrics_mask: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, dict]:
     """Clipped GRPO surrogate (+ beta * k3 KL), as unreduced (loss_sum, denominator, metrics).
 
     logp, old_logp: f32[B, T] (logp differentiable); advantages f32[B] or f32[B, T]; mask f32/bool[B, T].
@@ -292,9 +293,11 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     epsilon_high defaults to epsilon. beta = 0 needs no ref_logp.
     weights: optional f32[B, T] or f32[B] (stop-gradient) multiplying loss_t (probe row/importance weights).
     shaping_mask bool[B, T] + shaping_logratio f32[B, T] (differentiable): on those tokens the surrogate is
-    replaced by LUFFY policy shaping -f(exp(shaping_logratio)) A (no clipping).
+    replaced by LUFFY policy shaping -f(exp(shaping_logratio)) A (no clipping); shaping_gamma a scalar or
+    f32[B, 1] (per row).
     row_valid: rows counted in grpo/dr_grpo denominators (see ``aggregate``).
-    Metrics (sum, count): kl, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, ratio_mean.
+    Metrics (sum, count) over ``metrics_mask`` (default: mask; e.g. own tokens only, as TRL's): kl,
+    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, ratio_mean.
     """
     if importance_sampling_level not in IS_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {importance_sampling_level!r}")
@@ -326,12 +329,13 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         shaped = policy_shaping(jnp.exp(sl), shaping_gamma) * adv
         obj = jnp.where(shaping_mask, jnp.broadcast_to(shaped, m.shape), obj)
     per_token = -obj
+    mm = m if metrics_mask is None else metrics_mask.astype(jnp.float32)
     metrics = {}
     if beta != 0.0:
         kl = kl_k3(logp, jax.lax.stop_gradient(ref_logp.astype(jnp.float32)))
         kl = jnp.where(m > 0, kl, 0.0)
         per_token = per_token + beta * kl
-        metrics["kl"] = (jnp.sum(kl * m), jnp.sum(m))
+        metrics["kl"] = (jnp.sum(kl * mm), jnp.sum(mm))
     if weights is not None:
         w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
         per_token = per_token * (w[:, None] if w.ndim == 1 else w)
@@ -343,12 +347,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     if shaping_mask is not None:
         keep = 1.0 - shaping_mask.astype(jnp.float32)
         low, high = low * keep, high * keep
-    n = jnp.sum(m)
+    n = jnp.sum(mm)
     metrics.update({
-        "clip_ratio/low_mean": (jnp.sum(low * m), n),
-        "clip_ratio/high_mean": (jnp.sum(high * m), n),
-        "clip_ratio/region_mean": (jnp.sum(jnp.maximum(low, high) * m), n),
-        "ratio_mean": (jax.lax.stop_gradient(jnp.sum(cb * m)), n),
+        "clip_ratio/low_mean": (jnp.sum(low * mm), n),
+        "clip_ratio/high_mean": (jnp.sum(high * mm), n),
+        "clip_ratio/region_mean": (jnp.sum(jnp.maximum(low, high) * mm), n),
+        "ratio_mean": (jax.lax.stop_gradient(jnp.sum(cb * mm)), n),
     })
     return s, d, metrics
 

@@ -5,17 +5,18 @@
     params, opt_state, metrics = update(params, opt_state, batch, see_view, key)
 
 ``batch`` (``Batch``) holds the policy's own P x G rollouts; ``see_view`` (``mrl_jax.see.SeeView``) the
-peer slots and group stats that SEE gives this consumer for the same P prompts. Inside the step:
+peer slots and group stats that SEE gives this consumer for the same P prompts. Inside the step (steps 2-4 are
+``mrl_jax.objective``, the objective shared with the bandit lab):
 
 1. rows = own rows (P*G, prompt-major) ++ the view's P*K peer slots (only when the probe chain
-   ``needs_peers``), laid out as ``mrl_jax.probes.Rows`` — the one layout every probe shares;
+   ``needs_peers``), laid out as ``mrl_jax.rows.Rows`` — the one layout every probe shares;
 2. peer rows' ``old_logp`` = the current policy's log-probs (no-grad pre-pass) when a probe needs them
    (PRP weights, compatibility gate): peer rows are scored against pi_theta at update time;
 3. ``probe.extend`` activates rows; advantages = GRPO group advantages of own rows (``scale_rewards``),
    then ``probe.advantages``;
 4. denominators of every loss term from the full rows (they never depend on log-probs); a ``lax.scan``
    over micro-batches accumulates the gradient of ``pg_sum / pg_den + sum_k term_sum_k / term_den_k``,
-   so the accumulated gradient equals the full-batch one exactly;
+   so the accumulated gradient equals the full-batch one exactly (bnpo: TRL's per-micro-batch token mean);
 5. optax update; a non-finite loss or gradient leaves params/opt_state unchanged (metrics["skipped"]=1).
 
 Log-probs: ``model.hidden`` on [prompt ++ completion], then ``grpo.chunked_token_stats`` with
@@ -27,62 +28,17 @@ only (peer rows have no reference log-probs: their k3 term is zero).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from mrl_jax import grpo
-from mrl_jax.configs import check, field
-from mrl_jax.probes import OWN, Rows, chunk_gather, chunk_sums, make_probe
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """GRPO loss options, named as TRL's GRPOConfig."""
-
-    num_generations: int = field(8, help="G: completions sampled per prompt (group size)")
-    max_completion_length: int = field(64, help="completion length limit; dr_grpo divides by it")
-    epsilon: float = field(0.2, help="lower clip range: ratio clipped below at 1 - epsilon")
-    epsilon_high: Optional[float] = field(None, help="upper clip range (DAPO clip-higher); None = epsilon")
-    beta: float = field(0.0, help="k3 KL coefficient to the frozen reference; 0 = no reference needed")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
-        "grpo", help="aggregation: grpo = per-sequence mean then mean over sequences; dapo/bnpo = global "
-                     "token mean; dr_grpo = token sum / (num_rows * max_completion_length)")
-    importance_sampling_level: Literal["token", "sequence"] = field(
-        "token", help="token ratios, or GSPO sequence ratio exp(mean token log-ratio)")
-    scale_rewards: Literal["group", "batch", "none"] = field(
-        "group", help="advantage std scaling: group std, batch std, or none (Dr. GRPO)")
-    mask_truncated_completions: bool = field(False, help="exclude completions that hit the length limit")
-    num_iterations: int = field(1, help="mu: updates per generated batch (pi_old fixed from the batch)")
-    temperature: float = field(1.0, help="logits are divided by this before log-softmax (match sampling)")
-    reward_eps: float = field(1e-4, help="eps in A = (r - mean) / (std + eps)")
-    logprob_chunk_size: int = field(128, help="sequence chunk of the chunked log-softmax (memory bound)")
-
-    def __post_init__(self):
-        check(self.num_generations >= 1, "num_generations", f"must be >= 1, got {self.num_generations}")
-        check(self.max_completion_length >= 1, "max_completion_length",
-              f"must be >= 1, got {self.max_completion_length}")
-        check(0.0 <= self.epsilon < 1.0, "epsilon", f"must be in [0, 1), got {self.epsilon}")
-        check(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high",
-              f"must be >= 0 or None, got {self.epsilon_high}")
-        check(self.beta >= 0.0, "beta", f"must be >= 0, got {self.beta}")
-        check(self.loss_type in grpo.LOSS_TYPES, "loss_type", f"must be one of {grpo.LOSS_TYPES}, got {self.loss_type!r}")
-        check(self.importance_sampling_level in grpo.IS_LEVELS, "importance_sampling_level",
-              f"must be one of {grpo.IS_LEVELS}, got {self.importance_sampling_level!r}")
-        check(self.scale_rewards in grpo.SCALES, "scale_rewards",
-              f"must be one of {grpo.SCALES}, got {self.scale_rewards!r}")
-        check(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
-        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        check(self.reward_eps > 0, "reward_eps", f"must be > 0, got {self.reward_eps}")
-        check(self.logprob_chunk_size >= 1, "logprob_chunk_size", f"must be >= 1, got {self.logprob_chunk_size}")
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+from mrl_jax import grpo, objective
+from mrl_jax.objective import GRPOConfig  # noqa: F401  (public: learner.GRPOConfig)
+from mrl_jax.probes import make_probe
+from mrl_jax.rows import OWN, PER_ROW, Rows, concat, own_rows, peer_rows
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 0,
@@ -140,50 +96,21 @@ class Batch:
 
 
 def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool = False,
-                  consumer: Union[int, jax.Array] = 0, probe_index: Union[int, jax.Array] = 0) -> Rows:
+                  consumer: Union[int, jax.Array] = 0, probe_index: Union[int, jax.Array] = 0,
+                  scale_rewards: str = "group", reward_eps: float = 1e-4) -> Rows:
     """Own rows from ``batch`` followed by the view's peer slots (inactive). view None -> own rows only.
 
     Own rows: pg_row 1, pg_mask = completion_mask (zeroed on truncated rows when
-    mask_truncated_completions), pg_weight 1, advantages 0 (set by the learner).
+    mask_truncated_completions), pg_weight 1, advantages 0 (set by the objective).
     """
-    P, G = batch.num_prompts, batch.num_generations
-    n = P * G
-    Tc = batch.completion_ids.shape[1]
-    slot = jnp.repeat(jnp.arange(P, dtype=jnp.int32), G)
     cm = batch.completion_mask.astype(jnp.float32)
     pgm = grpo.truncation_mask(cm, batch.truncated) if mask_truncated_completions else cm
-    C = 1 if view is None else view.src_chunk_logp.shape[1]
-    cons = jnp.asarray(consumer if view is None else view.consumer, jnp.int32)
-    own = dict(
-        prompt_ids=batch.prompt_ids[slot], prompt_mask=batch.prompt_mask[slot].astype(bool),
-        completion_ids=batch.completion_ids.astype(jnp.int32), completion_mask=cm,
-        old_logp=batch.old_logp.astype(jnp.float32), ref_logp=batch.ref_logp.astype(jnp.float32),
-        rewards=batch.rewards.astype(jnp.float32), truncated=batch.truncated.astype(bool),
-        row_kind=jnp.full((n,), OWN, jnp.int32), prompt_slot=slot, source=jnp.full((n,), cons, jnp.int32),
-        dst_chunk=jnp.full((n, Tc), -1, jnp.int32), src_chunk_logp=jnp.zeros((n, C), jnp.float32),
-        chunk_valid=jnp.zeros((n, C), bool), pg_row=jnp.ones((n,), jnp.float32), pg_mask=pgm,
-        pg_weight=jnp.ones((n, Tc), jnp.float32), shaping=jnp.zeros((n,), bool),
-        sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32))
-    if view is not None:
-        S = view.ids.shape[0]
-        if view.ids.shape[1] != Tc:
-            raise ValueError(f"view completion length {view.ids.shape[1]} != batch completion length {Tc}")
-        ps = view.prompt_slot.astype(jnp.int32)
-        vm = view.mask.astype(jnp.float32)
-        peer = dict(
-            prompt_ids=batch.prompt_ids[ps], prompt_mask=batch.prompt_mask[ps].astype(bool),
-            completion_ids=view.ids.astype(jnp.int32), completion_mask=vm,
-            old_logp=jnp.zeros((S, Tc), jnp.float32), ref_logp=jnp.zeros((S, Tc), jnp.float32),
-            rewards=view.rewards.astype(jnp.float32), truncated=view.truncated.astype(bool),
-            row_kind=view.kind.astype(jnp.int32), prompt_slot=ps, source=view.source.astype(jnp.int32),
-            dst_chunk=view.dst_chunk.astype(jnp.int32), src_chunk_logp=view.src_chunk_logp.astype(jnp.float32),
-            chunk_valid=view.chunk_valid.astype(bool), pg_row=jnp.zeros((S,), jnp.float32),
-            pg_mask=jnp.zeros((S, Tc), jnp.float32), pg_weight=jnp.zeros((S, Tc), jnp.float32),
-            shaping=jnp.zeros((S,), bool), sft_weight=jnp.zeros((S,), jnp.float32),
-            advantages=jnp.zeros((S,), jnp.float32))
-        own = {k: jnp.concatenate([own[k], peer[k]], axis=0) for k in own}
-    return Rows(**own, consumer=cons, probe_index=jnp.asarray(probe_index, jnp.int32), metrics={},
-                num_prompts=P, num_generations=G)
+    own = own_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, cm, batch.old_logp, batch.ref_logp,
+                   batch.rewards, batch.truncated, consumer=consumer if view is None else view.consumer,
+                   pg_mask=pgm, scale_rewards=scale_rewards, reward_eps=reward_eps, probe_index=probe_index)
+    if view is None:
+        return own
+    return concat(own, peer_rows(view, batch.prompt_ids, batch.prompt_mask))
 
 
 # ----------------------------------------------------------------------------- log-probs and loss
@@ -200,31 +127,13 @@ def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *
     return grpo.chunked_token_stats(hc, head, completion_ids.astype(jnp.int32), chunk_size)
 
 
-def pg_term(logp, rows: Rows, cfg: GRPOConfig, shaping: bool = False, shaping_gamma: float = 0.1):
-    """The GRPO policy-gradient term over the rows' PG tokens: (sum, denominator, metrics)."""
-    ref = None
-    if cfg.beta != 0.0:
-        ref = jnp.where((rows.row_kind == OWN)[:, None], rows.ref_logp, jax.lax.stop_gradient(logp))
-    kw = {}
-    if shaping:
-        C = rows.src_chunk_logp.shape[1]
-        cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
-        kw = dict(shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
-                  shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk), shaping_gamma=shaping_gamma)
-    return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=cfg.epsilon,
-                            epsilon_high=cfg.epsilon_high, importance_sampling_level=cfg.importance_sampling_level,
-                            beta=cfg.beta, ref_logp=ref, loss_type=cfg.loss_type,
-                            max_completion_length=cfg.max_completion_length, weights=rows.pg_weight,
-                            row_valid=rows.pg_row, **kw)
-
-
 def _split(rows: Rows, mb: int):
     """Per-row fields reshaped to [n_mb, mb, ...], padding with inactive rows."""
     R = rows.rewards.shape[0]
     n = -(-R // mb)
     pad = n * mb - R
     out = {}
-    for f in Rows.PER_ROW:
+    for f in PER_ROW:
         a = getattr(rows, f)
         if pad:
             # padding rows: inactive (masks 0, kind EMPTY) but with a valid key mask, so the forward is finite
@@ -235,7 +144,7 @@ def _split(rows: Rows, mb: int):
 
 
 def _mb_rows(fields: dict, rows: Rows) -> Rows:
-    return rows.replace(**fields, metrics={})
+    return rows.replace(**fields)
 
 
 def _tree_where(c, a, b):
@@ -250,58 +159,41 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
     probe = make_probe(probe if probe is not None else "none")
     if micro_batch_size < 0:
         raise ValueError(f"micro_batch_size must be >= 0, got {micro_batch_size}")
-    shaping = probe.uses_shaping
 
-    def forward(params, r: Rows):
-        model = nnx.merge(graphdef, params)
+    def forward(params, r: Rows, frozen=None):
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
         return rows_logp(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                          temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
-    def grads_fn(params, batch: Batch, see_view, key, probe_index=0):
+    def grads_fn(params, batch: Batch, see_view, key, probe_index=0, frozen=None):
         P, G = batch.num_prompts, batch.num_generations
         if G != cfg.num_generations:
             raise ValueError(f"batch has {G} generations per prompt, GRPOConfig.num_generations="
                              f"{cfg.num_generations}")
-        n_own = P * G
         if see_view is None:
             raise ValueError("update needs a see_view (use mrl_jax.see.empty_view(...) when there are no peers)")
         rows = assemble_rows(batch, see_view if probe.needs_peers else None,
                              mask_truncated_completions=cfg.mask_truncated_completions,
-                             consumer=see_view.consumer, probe_index=probe_index)
-        R = rows.rewards.shape[0]
+                             consumer=see_view.consumer, probe_index=probe_index,
+                             scale_rewards=cfg.scale_rewards, reward_eps=cfg.reward_eps)
+        R = rows.num_rows
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
-        if probe.needs_peers and probe.needs_peer_logp and R > n_own:
-            peer = rows.replace(**{f: getattr(rows, f)[n_own:] for f in Rows.PER_ROW}, metrics={})
-            pf = _split(peer, min(mb, R - n_own))
-            lp = jax.lax.map(lambda f: forward(params, _mb_rows(f, peer))[0], pf)
-            lp = jax.lax.stop_gradient(lp.reshape((-1,) + lp.shape[2:])[: R - n_own])
-            rows = rows.replace(old_logp=rows.old_logp.at[n_own:].set(lp))
-        rows = probe.extend(rows, see_view, key)
-        own_r = batch.rewards.astype(jnp.float32).reshape(P, G)
-        adv0 = grpo.group_advantages(own_r, cfg.scale_rewards, cfg.reward_eps).reshape(-1)
-        adv = jnp.concatenate([adv0, jnp.zeros((R - n_own,), jnp.float32)])
-        adv = probe.advantages(rows.rewards, rows, see_view, adv)
-        probe_metrics = rows.metrics
-        rows = rows.replace(advantages=adv, metrics={})
-        # denominators from the full rows (independent of logp by contract)
-        _, pg_den, _ = pg_term(rows.old_logp, rows, cfg, shaping, probe.shaping_gamma)
-        _, t_den, _ = probe.loss_terms(rows.old_logp, rows)
-        pg_den = jax.lax.stop_gradient(jnp.maximum(pg_den, 1e-30))
-        t_den = jax.lax.stop_gradient(jnp.maximum(t_den, 1e-30))
+
+        def peer_logp(peer: Rows):
+            lp = jax.lax.map(lambda f: forward(params, _mb_rows(f, peer), frozen)[0],
+                             _split(peer, min(mb, peer.num_rows)))
+            return lp.reshape((-1,) + lp.shape[2:])[: peer.num_rows]
+
+        rows, probe_metrics = objective.prepare(rows, see_view, key, probe, cfg, peer_logp)
+        dens = objective.denominators(rows, probe, cfg)
+        fields = _split(rows, mb)
+        n_micro = jax.tree.leaves(fields)[0].shape[0]
 
         def loss_fn(p, r: Rows):
-            logp, ent = forward(p, r)
-            s, _, m = pg_term(logp, r, cfg, shaping, probe.shaping_gamma)
-            ts, _, tm = probe.loss_terms(logp, r)
-            loss = s / pg_den + jnp.sum(ts / t_den)
-            em = r.completion_mask * (r.row_kind == OWN)[:, None]
-            m = grpo.merge_metrics(m, tm)
-            m["entropy"] = (jnp.sum(jax.lax.stop_gradient(ent) * em), jnp.sum(em))
-            m["pg_loss"] = (jax.lax.stop_gradient(s / pg_den), jnp.float32(0.0))
-            return loss, m
+            logp, ent = forward(p, r, frozen)
+            return objective.loss_terms(logp, ent, r, probe, cfg, dens, n_micro)
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        fields = _split(rows, mb)
         first = _mb_rows(jax.tree.map(lambda a: a[0], fields), rows)
         m_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
         zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
@@ -318,17 +210,25 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
         pg_loss = msum.pop("pg_loss")[0]
         metrics = grpo.reduce_metrics(grpo.merge_metrics(msum, probe_metrics))
-        own_row = (rows.row_kind == OWN).astype(jnp.float32)
-        std_g = jnp.std(own_r, axis=1)
-        metrics.update({
-            "loss": loss, "pg_loss": pg_loss, "reward_mean": jnp.mean(own_r), "reward_std": jnp.std(own_r),
-            "frac_reward_zero_std": jnp.mean((std_g < 1e-8).astype(jnp.float32)),
-            "adv_abs_mean": jnp.sum(jnp.abs(adv) * own_row) / n_own,
-            "num_tokens": jnp.sum(rows.pg_mask), "pg_rows": jnp.sum(rows.pg_row)})
+        metrics.update(_batch_metrics(rows, batch))
+        metrics.update({"loss": loss, "pg_loss": pg_loss})
         metrics.setdefault("kl", jnp.float32(0.0))
         return loss, grads, metrics
 
     return jax.jit(grads_fn) if jit else grads_fn
+
+
+def _batch_metrics(rows: Rows, batch: Batch) -> dict:
+    """Figures of the batch itself. reward_std as TRL's (mean over prompts of the group std, ddof=1);
+    reward_std_batch: std over every own reward."""
+    P, G = batch.num_prompts, batch.num_generations
+    own_r = batch.rewards.astype(jnp.float32).reshape(P, G)
+    std_g = jnp.std(own_r, axis=1, ddof=1) if G > 1 else jnp.zeros((P,), jnp.float32)
+    own_row = (rows.row_kind == OWN).astype(jnp.float32)
+    return {"reward_mean": jnp.mean(own_r), "reward_std": jnp.mean(std_g), "reward_std_batch": jnp.std(own_r),
+            "frac_reward_zero_std": jnp.mean((std_g < 1e-8).astype(jnp.float32)),
+            "adv_abs_mean": jnp.sum(jnp.abs(rows.advantages) * own_row) / (P * G),
+            "num_tokens": jnp.sum(rows.pg_mask * own_row[:, None]), "pg_rows": jnp.sum(rows.pg_row)}
 
 
 def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=None,
@@ -338,6 +238,9 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
 
     probe_index (traced) selects the acting chain of a ``probes.switch`` probe, so one compile serves
     several chains (ignored by other probes).
+    frozen: params that are used but not trained (a LoRA policy's base: ``graphdef, params, frozen =
+    nnx.split(model, nnx.LoRAParam, ...)``); the forward is ``nnx.merge(graphdef, params, frozen)``, gradients
+    and the optimizer cover ``params`` only, and ``frozen`` is not donated.
     graphdef from ``nnx.split(model)``; probe: a ``Probe`` or spec string (``make_probe``);
     micro_batch_size: rows per micro-batch (0 = all rows in one); rows are padded up to a multiple.
     Params and opt_state are donated (donate=True): do not reuse the arrays passed in.
@@ -347,8 +250,8 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     """
     grads_fn = make_grad_fn(graphdef, probe, grpo_config, micro_batch_size)
 
-    def update(params, opt_state, batch: Batch, see_view, key, probe_index=0):
-        loss, grads, metrics = grads_fn(params, batch, see_view, key, probe_index)
+    def update(params, opt_state, batch: Batch, see_view, key, probe_index=0, frozen=None):
+        loss, grads, metrics = grads_fn(params, batch, see_view, key, probe_index, frozen)
         gnorm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         safe_g = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -368,12 +271,13 @@ def make_logp_fn(graphdef, grpo_config: Optional[GRPOConfig] = None, micro_batch
     cfg = GRPOConfig() if grpo_config is None else grpo_config
 
     @jax.jit
-    def logps(params, batch: Batch):
+    def logps(params, batch: Batch, frozen=None):
         rows = assemble_rows(batch)
         R = rows.rewards.shape[0]
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
         f = _split(rows, mb)
-        model_fn = lambda x: rows_logp(nnx.merge(graphdef, params), x["prompt_ids"], x["prompt_mask"],
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+        model_fn = lambda x: rows_logp(model, x["prompt_ids"], x["prompt_mask"],
                                        x["completion_ids"], x["completion_mask"], temperature=cfg.temperature,
                                        chunk_size=cfg.logprob_chunk_size)[0]
         lp = jax.lax.map(model_fn, f)

@@ -2,14 +2,18 @@
 
 A ``Probe`` is a named tuple of pure functions, each the identity by default:
 
-    extend(rows, see_view, key) -> rows          data level: activate peer rows (weights, masks)
+    extend(rows, see_view, key) -> (rows, metrics)   data level: activate peer rows (weights, masks)
     advantages(rewards, rows, see_view, adv) -> adv   value level: transform the incoming advantages
     loss_terms(logp, rows) -> (sums f32[K], denominators f32[K], metrics)   outcome level: extra terms
 
 ``chain(p1, p2, ...)`` applies the extends in order, composes the advantages (each gets the previous
-result; the first gets GRPO's group advantages) and concatenates the loss terms; the learner adds
-``sum_k sums[k] / denominators[k]`` to the policy-gradient term. Denominators depend only on ``rows``
-(never on ``logp``), so micro-batch accumulation is exact. Metrics are ``name -> (sum, count)``.
+result; the first gets GRPO's group advantages) and concatenates the loss terms; the objective
+(``mrl_jax.objective``, shared by the learner and the bandit lab) adds ``sum_k sums[k] / denominators[k]``
+to the policy-gradient term. Denominators depend only on ``rows`` (never on ``logp``), so micro-batch
+accumulation is exact. Metrics are ``name -> (sum, count)``, returned beside the data.
+Options that the run defines (advantage scale and eps: ``rows.scale_rewards`` / ``rows.reward_eps``;
+success threshold: ``see_view.tau``) are taken from the run when a probe option is None; an explicit
+probe option that contradicts the run is an error (``run_option_conflicts`` checks a spec up front).
 
 Row layout (``Rows``, one padded layout for every probe, so all probes share one shape):
 rows ``[0, P*G)`` are the policy's own rollouts, prompt-major (row = p*G + g); rows ``[P*G, P*G + P*K)``
@@ -29,12 +33,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from mrl_jax import grpo
 from mrl_jax.grpo import policy_shaping  # noqa: F401  (re-exported helper)
-
-OWN, PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 0, 1, 2, 3, -1
+from mrl_jax.rows import (ARCHIVE, EMPTY, OWN, OWN_ARCHIVE, PEER, PER_ROW, Rows, chunk_gather,  # noqa: F401
+                          chunk_sums)
 WEIGHT_MODES = ("truncate", "clip", "shaping", "none")
 _MAX_LOG = 80.0
 
@@ -117,78 +120,6 @@ def sgt_rescue_loss(logp: jax.Array, mask: jax.Array, row_weight: jax.Array, *, 
     return s, d, {"sgt/nll": nll}
 
 
-# ----------------------------------------------------------------------------- the row layout
-
-@struct.dataclass
-class Rows:
-    """The padded row layout every probe reads and writes (R = P*G own rows + P*K peer slots).
-
-    Inputs: prompt_ids int32[R, Tp], prompt_mask bool[R, Tp], completion_ids int32[R, Tc],
-    completion_mask f32[R, Tc], old_logp f32[R, Tc] (peer rows: the consumer's current log-probs,
-    filled by the learner's no-grad pre-pass when a probe needs them), ref_logp f32[R, Tc],
-    rewards f32[R], truncated bool[R], row_kind int32[R] (OWN=0, PEER=1 current-round peer rollout,
-    ARCHIVE=2 archived verified peer success, OWN_ARCHIVE=3 own archived success (replay), EMPTY=-1), prompt_slot int32[R] (0..P-1), source int32[R]
-    (generating policy), dst_chunk int32[R, Tc] (THL chunk of each completion token, -1 pad; own rows -1),
-    src_chunk_logp f32[R, C] (source behaviour log-prob summed per chunk), chunk_valid bool[R, C]
-    (False = THL residual chunk).
-    Probe-controlled: pg_row f32[R] (row counts in the policy-gradient term), pg_mask f32[R, Tc] (tokens
-    of the PG term), pg_weight f32[R, Tc] (stop-gradient per-token weight, e.g. PRP importance weights),
-    shaping bool[R] (PG term uses LUFFY policy shaping on this row), sft_weight f32[R] (SGT rescue weight),
-    advantages f32[R]. metrics: dict of full-batch probe figures name -> (sum, count) (not per row).
-    consumer int32[] / num_prompts / num_generations describe the layout; probe_index int32[] selects the
-    acting chain of a ``switch`` probe (the update's ``probe_index`` argument).
-    """
-    prompt_ids: jax.Array
-    prompt_mask: jax.Array
-    completion_ids: jax.Array
-    completion_mask: jax.Array
-    old_logp: jax.Array
-    ref_logp: jax.Array
-    rewards: jax.Array
-    truncated: jax.Array
-    row_kind: jax.Array
-    prompt_slot: jax.Array
-    source: jax.Array
-    dst_chunk: jax.Array
-    src_chunk_logp: jax.Array
-    chunk_valid: jax.Array
-    pg_row: jax.Array
-    pg_mask: jax.Array
-    pg_weight: jax.Array
-    shaping: jax.Array
-    sft_weight: jax.Array
-    advantages: jax.Array
-    consumer: jax.Array
-    probe_index: jax.Array
-    metrics: dict = struct.field(default_factory=dict)
-    num_prompts: int = struct.field(pytree_node=False, default=0)
-    num_generations: int = struct.field(pytree_node=False, default=0)
-
-    PER_ROW = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logp", "ref_logp",
-               "rewards", "truncated", "row_kind", "prompt_slot", "source", "dst_chunk", "src_chunk_logp",
-               "chunk_valid", "pg_row", "pg_mask", "pg_weight", "shaping", "sft_weight", "advantages")
-
-    @property
-    def num_own(self) -> int:
-        return self.num_prompts * self.num_generations
-
-
-def add_metrics(rows: Rows, new: dict) -> Rows:
-    return rows.replace(metrics=grpo.merge_metrics(rows.metrics, new))
-
-
-def chunk_sums(x: jax.Array, dst_chunk: jax.Array, num_chunks: int) -> jax.Array:
-    """Per-row chunk sums: x f32[R, T], dst_chunk int32[R, T] (-1 ignored) -> f32[R, C]."""
-    onehot = (dst_chunk[..., None] == jnp.arange(num_chunks)[None, None, :]).astype(jnp.float32)
-    return jnp.einsum("rt,rtc->rc", x.astype(jnp.float32), onehot)
-
-
-def chunk_gather(v: jax.Array, dst_chunk: jax.Array) -> jax.Array:
-    """Per-token value of its chunk: v f32[R, C], dst_chunk int32[R, T] -> f32[R, T] (0 where -1)."""
-    g = jnp.take_along_axis(v, jnp.maximum(dst_chunk, 0), axis=1)
-    return jnp.where(dst_chunk >= 0, g, 0.0)
-
-
 def peer_compatibility(rows: Rows) -> jax.Array:
     """GRAFT score per row from old_logp (consumer) and src_chunk_logp (source), means over valid chunks."""
     C = rows.src_chunk_logp.shape[1]
@@ -202,7 +133,7 @@ def peer_compatibility(rows: Rows) -> jax.Array:
 # ----------------------------------------------------------------------------- the Probe type
 
 def _id_extend(rows, see_view, key):
-    return rows
+    return rows, {}
 
 
 def _id_advantages(rewards, rows, see_view, adv):
@@ -217,10 +148,9 @@ def _id_loss_terms(logp, rows):
 class Probe(NamedTuple):
     """A sharing probe: named tuple of pure functions (identities by default), see the module docstring.
 
-    needs_peers: the learner appends the view's peer slots to the rows (else own rows only).
-    needs_peer_logp: the learner fills old_logp of peer rows with a no-grad forward before ``extend``.
-    uses_shaping: the PG term computes LUFFY shaping on rows flagged ``shaping`` (PRP mode="shaping").
-    shaping_gamma: gamma of LUFFY's f(rho) = rho / (rho + gamma) used by that term.
+    needs_peers: the objective appends the view's peer slots to the rows (else own rows only).
+    needs_peer_logp: the objective fills old_logp of peer rows with a no-grad forward before ``extend``.
+    Both are layout facts (static shapes and the pre-pass); behaviour is carried by the rows a probe writes.
     """
     name: str = "none"
     extend: Callable = _id_extend
@@ -228,15 +158,6 @@ class Probe(NamedTuple):
     loss_terms: Callable = _id_loss_terms
     needs_peers: bool = False
     needs_peer_logp: bool = False
-    uses_shaping: bool = False
-    shaping_gamma: float = 0.1
-
-
-def _shaping_gamma(probes) -> float:
-    gammas = {p.shaping_gamma for p in probes if p.uses_shaping}
-    if len(gammas) > 1:
-        raise ValueError(f"probes in one chain use different policy-shaping gammas {sorted(gammas)}")
-    return gammas.pop() if gammas else 0.1
 
 
 def none() -> Probe:
@@ -245,16 +166,18 @@ def none() -> Probe:
 
 
 def chain(*probes: Probe) -> Probe:
-    """Compose probes: extends in order (key folded with the index), advantages composed, loss terms
-    concatenated, metrics merged."""
+    """Compose probes: extends in order (key folded with the index; metrics merged), advantages composed
+    (each transforms the previous result), loss terms concatenated."""
     probes = tuple(p for p in probes if p.name != "none") or (none(),)
     if len(probes) == 1:
         return probes[0]
 
     def extend(rows, see_view, key):
+        metrics = {}
         for i, p in enumerate(probes):
-            rows = p.extend(rows, see_view, jax.random.fold_in(key, i))
-        return rows
+            rows, m = p.extend(rows, see_view, jax.random.fold_in(key, i))
+            metrics = grpo.merge_metrics(metrics, m)
+        return rows, metrics
 
     def advantages(rewards, rows, see_view, adv):
         for p in probes:
@@ -271,14 +194,14 @@ def chain(*probes: Probe) -> Probe:
         return jnp.concatenate(ss), jnp.concatenate(ds), ms
 
     return Probe("+".join(p.name for p in probes), extend, advantages, loss_terms,
-                 any(p.needs_peers for p in probes), any(p.needs_peer_logp for p in probes),
-                 any(p.uses_shaping for p in probes), _shaping_gamma(probes))
+                 any(p.needs_peers for p in probes), any(p.needs_peer_logp for p in probes))
 
 
 def switch(*choices) -> Probe:
     """One compiled update for several probe chains: ``rows.probe_index`` (the update's ``probe_index``
     argument, a traced int) picks the chain that acts; the others run but are masked out. Costs the union
-    of the chains' rows (peer slots are always assembled). E.g. ``switch("none", "xgrpo", "prp", "sgt")``."""
+    of the chains' rows (peer slots are always assembled). E.g. ``switch("none", "xgrpo", "prp", "sgt")``.
+    For library use (one compile over several chains); a run config names one chain per policy."""
     choices = tuple(make_probe(c) for c in choices)
     if not choices:
         raise ValueError("switch needs at least one probe")
@@ -296,9 +219,8 @@ def switch(*choices) -> Probe:
     def extend(rows, see_view, key):
         outs = [c.extend(rows, see_view, key) for c in choices]
         idx = rows.probe_index
-        upd = {f: pick(idx, [getattr(o, f) for o in outs]) for f in Rows.PER_ROW}
-        new = [{k: v for k, v in o.metrics.items() if k not in rows.metrics} for o in outs]
-        return rows.replace(**upd, metrics=grpo.merge_metrics(rows.metrics, masked(idx, new)))
+        upd = {f: pick(idx, [getattr(o, f) for o, _ in outs]) for f in PER_ROW + ("pool_weighted",)}
+        return rows.replace(**upd), masked(idx, [m for _, m in outs])
 
     def advantages(rewards, rows, see_view, adv):
         return pick(rows.probe_index, [c.advantages(rewards, rows, see_view, adv) for c in choices])
@@ -314,118 +236,191 @@ def switch(*choices) -> Probe:
 
     return Probe("switch(" + ",".join(c.name for c in choices) + ")", extend, advantages, loss_terms,
                  needs_peers=any(c.needs_peers for c in choices),
-                 needs_peer_logp=any(c.needs_peer_logp for c in choices),
-                 uses_shaping=any(c.uses_shaping for c in choices), shaping_gamma=_shaping_gamma(choices))
+                 needs_peer_logp=any(c.needs_peer_logp for c in choices))
+
+
+# ----------------------------------------------------------------------------- run options
+
+def _run_option(name: str, value, run_value, run_key: str):
+    """A probe option: None = the run's value; an explicit value must agree with the run (one source of truth)."""
+    if value is None:
+        return run_value
+    if value != run_value:
+        raise ValueError(f"probe option {name}={value!r} contradicts the run's {run_key}={run_value!r}; drop the "
+                         f"probe option (probes take it from the run) or change {run_key}")
+    return value
+
+
+def _scale_eps(rows: Rows, name: str, scale, eps):
+    s = _run_option(f"{name}.scale", None if scale is None else grpo._norm_scale(scale), rows.scale_rewards,
+                    "grpo.scale_rewards")
+    return s, _run_option(f"{name}.eps", eps, rows.reward_eps, "grpo.reward_eps")
 
 
 # ----------------------------------------------------------------------------- XGRPO / PRP advantages
 
-def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4,
-                          capability_weighted: bool = False) -> jax.Array:
+def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4) -> jax.Array:
     """A_r = (r - b(x)) / (s(x) + eps) with b, s pooled over own rows and every peer's group stats for the
-    row's prompt (``grpo.pooled_advantages_from_stats``; equals grpo.pooled_advantages)."""
-    return grpo.pooled_advantages_from_stats(rows.rewards, rows.prompt_slot, rows.row_kind == OWN,
-                                             see_view.peer_stats, scale=scale, eps=eps,
-                                             capability_weighted=capability_weighted, tau=see_view.tau)
+    row's prompt (``grpo.pooled_advantages_from_stats``; equals grpo.pooled_advantages); HACPO capability
+    weights where ``rows.pool_weighted`` (any pooling probe of the chain asked for them)."""
+    kw = dict(scale=scale, eps=eps, tau=see_view.tau)
+    args = (rows.rewards, rows.prompt_slot, rows.row_kind == OWN, see_view.peer_stats)
+    plain = grpo.pooled_advantages_from_stats(*args, capability_weighted=False, **kw)
+    weighted = grpo.pooled_advantages_from_stats(*args, capability_weighted=True, **kw)
+    return jnp.where(rows.pool_weighted, weighted, plain)
 
 
-def xgrpo(scale="group", capability_weighted: bool = False, eps: float = 1e-4) -> Probe:
-    """XGRPO: own samples' advantages use a baseline/scale pooled over all policies' groups for the prompt
-    (HACPO capability weights when capability_weighted). Only own rows are trained."""
-    grpo._norm_scale(scale)
+def _pooling(rows: Rows, capability_weighted: bool) -> Rows:
+    return rows.replace(pool_weighted=rows.pool_weighted | capability_weighted) if capability_weighted else rows
+
+
+def xgrpo(scale=None, capability_weighted: bool = False, eps: Optional[float] = None) -> Probe:
+    """XGRPO: own samples' advantages use a baseline/scale pooled over all policies' groups for the prompt.
+    Only own rows are trained. scale/eps: None = the run's grpo.scale_rewards / reward_eps (a different
+    explicit value is an error). capability_weighted (HACPO) turns on capability weights for every pooling
+    probe of the chain (``rows.pool_weighted``), so ``xgrpo(capability_weighted=True) + prp`` and
+    ``prp + xgrpo(capability_weighted=True)`` give the same advantages: pooling probes commute.
+    Metrics: xgrpo/adv_on_peer_solved, xgrpo/peer_solved_frac."""
+    if scale is not None:
+        grpo._norm_scale(scale)
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, scale, eps, capability_weighted)
-        own = rows.row_kind == OWN
-        return jnp.where(own, pooled, adv)
+        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "xgrpo", scale, eps))
+        return jnp.where(rows.row_kind == OWN, pooled, adv)
 
     def extend(rows, see_view, key):
-        # metric: own advantage on prompts a peer solved (computed in advantages' terms, recorded here)
-        pooled = pooled_row_advantages(rows, see_view, scale, eps, capability_weighted)
+        rows = _pooling(rows, capability_weighted)
+        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "xgrpo", scale, eps))
         solved = jnp.sum(see_view.peer_stats[..., 3], -1) > 0          # [P]
         sel = ((rows.row_kind == OWN) & solved[rows.prompt_slot]).astype(jnp.float32)
-        return add_metrics(rows, {"xgrpo/adv_on_peer_solved": (jnp.sum(pooled * sel), jnp.sum(sel)),
-                                  "xgrpo/peer_solved_frac": (jnp.sum(solved.astype(jnp.float32)),
-                                                             jnp.float32(solved.shape[0]))})
+        return rows, {"xgrpo/adv_on_peer_solved": (jnp.sum(pooled * sel), jnp.sum(sel)),
+                      "xgrpo/peer_solved_frac": (jnp.sum(solved.astype(jnp.float32)), jnp.float32(solved.shape[0]))}
 
     return Probe("xgrpo", extend, advantages, _id_loss_terms)
 
 
-
 # ----------------------------------------------------------------------------- PRP
 
+PRP_LEVELS = ("chunk", "sequence")
+
+
+def _prp_weights(rows: Rows, cand, level: str, truncate: float, mode: str, gamma: float):
+    """(token weights f32[R, Tc], tokens trained f32[R, Tc], metrics) of PRP's importance weights."""
+    C = rows.src_chunk_logp.shape[1]
+    cm = rows.completion_mask
+    valid = rows.chunk_valid.astype(jnp.float32)
+    tok_valid = chunk_gather(valid, rows.dst_chunk) * cm
+    log_r = (chunk_sums(rows.old_logp * cm, rows.dst_chunk, C) - rows.src_chunk_logp) * valid     # [R, C]
+    seq_log_r = jnp.sum(log_r, -1)                                                            # [R]
+    seq_w = importance_weights(seq_log_r, 0.0, truncate=truncate, mode="none" if mode == "shaping" else mode,
+                               gamma=gamma)
+    cf = cand.astype(jnp.float32)
+    if mode == "shaping":      # LUFFY: each chunk's shaped term spread evenly over its tokens
+        ntok = chunk_sums(cm, rows.dst_chunk, C)
+        tok_w = chunk_gather(valid / jnp.maximum(ntok, 1.0), rows.dst_chunk)
+        w, wm = importance_weights(log_r, 0.0, mode="shaping", gamma=gamma), valid * cf[:, None]
+    elif level == "chunk":
+        w = importance_weights(log_r, 0.0, truncate=truncate, mode=mode, gamma=gamma)
+        tok_w, wm = chunk_gather(w * valid, rows.dst_chunk), valid * cf[:, None]
+    else:
+        w, wm = seq_w, cf
+        tok_w = seq_w[:, None] * tok_valid
+    metrics = {"prp/ess": (effective_sample_size(w, wm), jnp.float32(1.0)),
+               "prp/ess_sequence": (effective_sample_size(seq_w, cf), jnp.float32(1.0)),
+               "prp/weight_var": (weight_variance(w, wm), jnp.float32(1.0)),
+               "prp/weight_mean": (jnp.sum(w * wm), jnp.sum(wm))}
+    return tok_w, tok_valid, metrics
+
+
 def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compat_gate: bool = False,
-        delta: float = 0.8, scale="group", eps: float = 1e-4, capability_weighted: bool = False) -> Probe:
+        delta: float = 0.8, scale=None, eps: Optional[float] = None, capability_weighted: bool = False,
+        level: str = "chunk") -> Probe:
     """PRP: train on peers' current-round rollouts for the same prompt (retokenized by THL) with pooled-group
-    advantages (own rows too) and per-chunk importance weights w = exp(chunk logp_i - chunk logp_j)
-    (stop-gradient; ``importance_weights`` with truncate/mode). Residual chunks (chunk_valid False) are
-    masked out of the PG term. mode="shaping" (LUFFY): peer tokens use f(rho_c) = rho_c/(rho_c + gamma)
-    with rho_c = pi_theta(chunk)/pi_j(chunk) in place of the clipped ratio (each chunk's term spread
-    evenly over its tokens). compat_gate (GRAFT): admit a peer row iff s > delta, weight min(s, 1).
-    Metrics: prp/ess (normalised Kish ESS of the chunk weights), prp/weight_var, prp/weight_mean,
-    prp/rows, prp/residual_frac."""
+    advantages (own rows too; pooling as ``xgrpo``) and importance weights w = pi_i / pi_j.
+
+    Estimator: peer rows are scored against pi_theta at update time (their PG ratio is 1), so a peer row
+    contributes w * A * grad log pi_theta(y) with w stop-gradient:
+    - level="chunk": one weight per THL chunk, w_c = exp(logp_i(c) - logp_j(c)) (the token-level analogue of
+      truncated IS: each weight ignores the rest of the sequence — biased, low variance);
+    - level="sequence": w = exp(sum_c logp_i(c) - logp_j(c)) = pi_i(y) / pi_j(y) on every token, exact when
+      every chunk is valid (THL residual chunks are left out of the sum and of the PG term).
+    mode transforms w (``importance_weights``: truncate / clip / none); mode="shaping" (LUFFY, chunk level):
+    f(rho_c) = rho_c / (rho_c + gamma) with rho_c = pi_theta(c) / pi_j(c) replaces the clipped ratio.
+    compat_gate (GRAFT): admit a peer row iff s > delta, weight min(s, 1). logp_j is the source's behaviour
+    log-prob as stored in SEE (the sampler's tempered distribution; with top-k/top-p filtering the sampled
+    distribution differs by the log of the kept mass per token — see ``mrl_jax.trainer.round``).
+    Metrics: prp/ess (normalised Kish ESS at the level used), prp/ess_sequence, prp/weight_var,
+    prp/weight_mean, prp/rows, prp/tokens, prp/residual_frac."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"prp mode must be one of {WEIGHT_MODES}, got {mode!r}")
     if mode == "clip" and truncate < 1:
         raise ValueError(f"prp mode='clip' needs truncate >= 1, got {truncate}")
-    grpo._norm_scale(scale)
+    if level not in PRP_LEVELS:
+        raise ValueError(f"prp level must be one of {PRP_LEVELS}, got {level!r}")
+    if mode == "shaping" and level != "chunk":
+        raise ValueError("prp mode='shaping' (LUFFY) shapes per chunk; use level='chunk'")
+    if scale is not None:
+        grpo._norm_scale(scale)
 
     def extend(rows, see_view, key):
-        C = rows.src_chunk_logp.shape[1]
+        rows = _pooling(rows, capability_weighted)
         cm = rows.completion_mask
         cand = ((rows.row_kind == PEER) & ~rows.truncated & (rows.source != rows.consumer)
                 & (jnp.sum(cm, -1) > 0))
-        valid = rows.chunk_valid.astype(jnp.float32)
-        dst = chunk_sums(rows.old_logp * cm, rows.dst_chunk, C)
-        w = importance_weights(dst, rows.src_chunk_logp, truncate=truncate, mode=mode, gamma=gamma)
-        tok_valid = chunk_gather(valid, rows.dst_chunk) * cm
-        if mode == "shaping":
-            ntok = chunk_sums(cm, rows.dst_chunk, C)
-            tok_w = chunk_gather(valid / jnp.maximum(ntok, 1.0), rows.dst_chunk)
-        else:
-            tok_w = chunk_gather(w * valid, rows.dst_chunk)
         rw = jnp.ones_like(rows.rewards)
         if compat_gate:
             admit, rw = compatibility_gate(peer_compatibility(rows), delta)
             cand = cand & admit
+        tok_w, tok_valid, metrics = _prp_weights(rows, cand, level, truncate, mode, gamma)
         c = cand[:, None]
         rows = rows.replace(
             pg_row=jnp.where(cand, 1.0, rows.pg_row),
             pg_mask=jnp.where(c, tok_valid, rows.pg_mask),
             pg_weight=jnp.where(c, tok_w * rw[:, None], rows.pg_weight),
-            shaping=rows.shaping | cand if mode == "shaping" else rows.shaping)
-        wm = valid * c
+            shaping_gamma=jnp.where(cand, gamma, rows.shaping_gamma) if mode == "shaping" else rows.shaping_gamma)
         ntok = jnp.sum(cm * c)
-        return add_metrics(rows, {
-            "prp/ess": (effective_sample_size(w, wm), jnp.float32(1.0)),
-            "prp/weight_var": (weight_variance(w, wm), jnp.float32(1.0)),
-            "prp/weight_mean": (jnp.sum(w * wm), jnp.sum(wm)),
-            "prp/rows": (jnp.sum(cand.astype(jnp.float32)), jnp.float32(1.0)),
-            "prp/residual_frac": (ntok - jnp.sum(tok_valid * c), ntok)})
+        metrics.update({"prp/rows": (jnp.sum(cand.astype(jnp.float32)), jnp.float32(1.0)),
+                        "prp/tokens": (jnp.sum(tok_valid * c), jnp.float32(1.0)),
+                        "prp/residual_frac": (ntok - jnp.sum(tok_valid * c), ntok)})
+        return rows, metrics
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, scale, eps, capability_weighted)
+        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "prp", scale, eps))
         use = (rows.row_kind == OWN) | ((rows.row_kind == PEER) & (rows.pg_row > 0))
         return jnp.where(use, pooled, adv)
 
-    return Probe("prp", extend, advantages, _id_loss_terms, needs_peers=True, needs_peer_logp=True,
-                 uses_shaping=mode == "shaping", shaping_gamma=gamma)
+    return Probe("prp", extend, advantages, _id_loss_terms, needs_peers=True, needs_peer_logp=True)
 
 
 # ----------------------------------------------------------------------------- SGT
 
 SGT_GATES = ("own_failure", "always")
+SGT_NORMALIZE = ("rescues", "prompts")
 
 
-def sgt(lam: float = 0.1, tau: float = 1.0, gate: str = "own_failure", rescues_per_prompt: int = 1,
-        length_normalize: bool = True, compat_gate: bool = False, delta: float = 0.8) -> Probe:
+def _own_failed(rows: Rows, tau) -> jax.Array:
+    """bool[P]: prompts on which no own sample reached tau."""
+    own_max = jax.ops.segment_max(jnp.where(rows.row_kind == OWN, rows.rewards, -jnp.inf), rows.prompt_slot,
+                                  num_segments=rows.num_prompts)
+    return own_max < tau
+
+
+def sgt(lam: float = 0.1, tau: Optional[float] = None, gate: str = "own_failure", rescues_per_prompt: int = 1,
+        length_normalize: bool = True, compat_gate: bool = False, delta: float = 0.8,
+        normalize: str = "rescues") -> Probe:
     """SGT: on prompts where the policy has no own success (max_g r < tau; gate="always": every prompt) and a
     peer has a verified success y* (reward >= tau, not truncated), add
-    -lam * mean_{y*} (1/|y*|) sum_t log pi_i(y*_t | x, y*_<t) over ``rescues_per_prompt`` successes drawn
-    uniformly (without replacement, with the key) per prompt. compat_gate (GRAFT): admit y* iff s > delta,
-    weight min(s, 1). Metrics: sgt/rows_fired, sgt/prompts_failed, sgt/prompts_rescued, sgt/nll."""
+    -lam * (1/D) sum_{y*} (1/|y*|) sum_t log pi_i(y*_t | x, y*_<t) over ``rescues_per_prompt`` successes drawn
+    uniformly (without replacement, with the key) per prompt. normalize: D = number of rescues that fired
+    ("rescues", default: a mean over rescues, so one rescue in 32 prompts carries the full lam — the
+    published re-implementation's auxiliary NLL term, lam = 0.1 on the mean NLL of the rescue examples) or
+    D = number of batch prompts ("prompts": the term grows with the share of prompts rescued).
+    tau: None = the run's SEE success threshold (``see_view.tau``). compat_gate (GRAFT): admit y* iff
+    s > delta, weight min(s, 1). Metrics: sgt/rows_fired, sgt/prompts_failed, sgt/prompts_rescued, sgt/nll."""
     if gate not in SGT_GATES:
         raise ValueError(f"sgt gate must be one of {SGT_GATES}, got {gate!r}")
+    if normalize not in SGT_NORMALIZE:
+        raise ValueError(f"sgt normalize must be one of {SGT_NORMALIZE}, got {normalize!r}")
     if rescues_per_prompt < 1:
         raise ValueError(f"rescues_per_prompt must be >= 1, got {rescues_per_prompt}")
     if lam < 0:
@@ -433,11 +428,10 @@ def sgt(lam: float = 0.1, tau: float = 1.0, gate: str = "own_failure", rescues_p
 
     def extend(rows, see_view, key):
         P = rows.num_prompts
+        t = see_view.tau if tau is None else tau
         r, slot = rows.rewards, rows.prompt_slot
-        own = rows.row_kind == OWN
-        own_max = jax.ops.segment_max(jnp.where(own, r, -jnp.inf), slot, num_segments=P)
-        failed = own_max < tau if gate == "own_failure" else jnp.ones((P,), bool)
-        cand = (((rows.row_kind == PEER) | (rows.row_kind == ARCHIVE)) & (r >= tau) & ~rows.truncated
+        failed = _own_failed(rows, t) if gate == "own_failure" else jnp.ones((P,), bool)
+        cand = (((rows.row_kind == PEER) | (rows.row_kind == ARCHIVE)) & (r >= t) & ~rows.truncated
                 & (rows.source != rows.consumer) & (jnp.sum(rows.completion_mask, -1) > 0) & failed[slot])
         weight = jnp.ones_like(r)
         if compat_gate:
@@ -449,14 +443,15 @@ def sgt(lam: float = 0.1, tau: float = 1.0, gate: str = "own_failure", rescues_p
         sel = cand & (rank < rescues_per_prompt)
         fired = jax.ops.segment_sum(sel.astype(jnp.float32), slot, num_segments=P) > 0
         rows = rows.replace(sft_weight=jnp.where(sel, weight, rows.sft_weight))
-        return add_metrics(rows, {
-            "sgt/rows_fired": (jnp.sum(sel.astype(jnp.float32)), jnp.float32(1.0)),
-            "sgt/prompts_failed": (jnp.sum(failed.astype(jnp.float32)), jnp.float32(P)),
-            "sgt/prompts_rescued": (jnp.sum(fired.astype(jnp.float32)), jnp.float32(1.0))})
+        return rows, {"sgt/rows_fired": (jnp.sum(sel.astype(jnp.float32)), jnp.float32(1.0)),
+                      "sgt/prompts_failed": (jnp.sum(failed.astype(jnp.float32)), jnp.float32(P)),
+                      "sgt/prompts_rescued": (jnp.sum(fired.astype(jnp.float32)), jnp.float32(1.0))}
 
     def loss_terms(logp, rows):
         w = jnp.where(rows.row_kind == OWN_ARCHIVE, 0.0, rows.sft_weight)
         s, d, m = sgt_rescue_loss(logp, rows.completion_mask, w, lam=lam, length_normalize=length_normalize)
+        if normalize == "prompts":
+            d = jnp.float32(rows.num_prompts)
         return s[None], d[None], m
 
     return Probe("sgt", extend, _id_advantages, loss_terms, needs_peers=True, needs_peer_logp=compat_gate)
@@ -464,26 +459,24 @@ def sgt(lam: float = 0.1, tau: float = 1.0, gate: str = "own_failure", rescues_p
 
 # ----------------------------------------------------------------------------- replay (own-skill anchor)
 
-def replay(lam: float = 0.1, tau: float = 1.0, gate: str = "always") -> Probe:
+def replay(lam: float = 0.1, tau: Optional[float] = None, gate: str = "always") -> Probe:
     """Replay of the policy's OWN verified successes archived in SEE (view slots of kind OWN_ARCHIVE): adds
     -lam * mean (1/|y|) sum_t log pi_i(y_t | x, y_<t) over them, on every batch prompt that has one
-    (gate="always") or only where the current own group failed (gate="own_failure"). Not in the paper:
-    an anchor against forgetting the own skill while SGT/PRP pull toward a peer's (DESIGN.md, demo).
-    Metrics: replay/rows, replay/nll."""
+    (gate="always") or only where the current own group failed (gate="own_failure"). tau: None = the run's
+    SEE success threshold. Not in the paper: an anchor against forgetting the own skill while SGT/PRP pull
+    toward a peer's (DESIGN.md, demo). Metrics: replay/rows, replay/nll."""
     if gate not in SGT_GATES:
         raise ValueError(f"replay gate must be one of {SGT_GATES}, got {gate!r}")
     if lam < 0:
         raise ValueError(f"lam must be >= 0, got {lam}")
 
     def extend(rows, see_view, key):
-        r, slot = rows.rewards, rows.prompt_slot
-        own_max = jax.ops.segment_max(jnp.where(rows.row_kind == OWN, r, -jnp.inf), slot,
-                                      num_segments=rows.num_prompts)
-        open_ = own_max < tau if gate == "own_failure" else jnp.ones_like(own_max, bool)
-        sel = ((rows.row_kind == OWN_ARCHIVE) & (r >= tau) & ~rows.truncated
-               & (jnp.sum(rows.completion_mask, -1) > 0) & open_[slot])
+        t = see_view.tau if tau is None else tau
+        open_ = _own_failed(rows, t) if gate == "own_failure" else jnp.ones((rows.num_prompts,), bool)
+        sel = ((rows.row_kind == OWN_ARCHIVE) & (rows.rewards >= t) & ~rows.truncated
+               & (jnp.sum(rows.completion_mask, -1) > 0) & open_[rows.prompt_slot])
         rows = rows.replace(sft_weight=jnp.where(sel, 1.0, rows.sft_weight))
-        return add_metrics(rows, {"replay/rows": (jnp.sum(sel.astype(jnp.float32)), jnp.float32(1.0))})
+        return rows, {"replay/rows": (jnp.sum(sel.astype(jnp.float32)), jnp.float32(1.0))}
 
     def loss_terms(logp, rows):
         w = jnp.where(rows.row_kind == OWN_ARCHIVE, rows.sft_weight, 0.0)
@@ -517,6 +510,38 @@ def _parse_one(spec: str) -> Probe:
         return REGISTRY[name](**kwargs)
     except TypeError as e:
         raise ValueError(f"bad options for probe {name!r}: {e}") from None
+
+
+def _spec_options(spec: str) -> list[tuple[str, dict]]:
+    """[(probe name, explicit options)] of a '+'-joined spec string."""
+    out = []
+    for part in filter(str.strip, spec.split("+")):
+        name, _, args = part.strip().partition(":")
+        kw = {}
+        for item in filter(None, (a.strip() for a in args.split(","))):
+            k, _, v = item.partition("=")
+            try:
+                kw[k.strip()] = ast.literal_eval(v.strip())
+            except (ValueError, SyntaxError):
+                kw[k.strip()] = v.strip()
+        out.append((name.strip().lower(), kw))
+    return out
+
+
+def run_option_conflicts(spec: str, *, scale_rewards: str, reward_eps: float, tau: float) -> list[str]:
+    """Explicit probe options of ``spec`` that contradict the run (scale / eps vs the GRPO options, tau vs the
+    SEE success threshold), as messages; [] when the spec agrees (options left out are taken from the run)."""
+    run = {"scale": (scale_rewards, "grpo.scale_rewards"), "eps": (reward_eps, "grpo.reward_eps"),
+           "tau": (tau, "see.success_threshold")}
+    bad = []
+    for name, kw in _spec_options(spec):
+        for key, (value, run_key) in run.items():
+            if key in kw:
+                v = grpo._norm_scale(kw[key]) if key == "scale" else kw[key]
+                if v != value:
+                    bad.append(f"{name}:{key}={kw[key]!r} contradicts {run_key}={value!r} (drop the probe option: "
+                               "probes take it from the run)")
+    return bad
 
 
 def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None]) -> Probe:

@@ -18,8 +18,13 @@ Typed records (flax.struct dataclasses of fixed-capacity arrays + a write pointe
   (prompt, policy) cell (``latest`` + ``latest_round``). Prompt ids outside [0, num_prompts) are not
   counted (``info["stats_dropped"]``). Stats count every sample, duplicates included.
 Capacity/eviction: a ring pointer overwrites the oldest slot in ring order; when a prompt already holds
-``per_prompt_cap`` records, the new one replaces that prompt's oldest record instead. De-duplication:
-a record with the same (source, prompt id, text length, text hash) as a stored one is not inserted.
+``per_prompt_cap`` records, the new one replaces that prompt's oldest record instead.
+Multiplicity: the rollout ring keeps every sample, repeats included (a peer that samples "42" four times
+contributes four rows): PRP estimates an expectation under the peer's policy and dropping repeats would
+bias it towards novel outputs. De-duplication belongs to the success archive only: a success with the same
+(source, prompt id, text length, text hash) as an archived one is not archived again.
+Byte budget: a text longer than ``max_bytes`` is cut, marked ``truncated`` and never archived as a success
+(``info["texts_cut"]`` counts them), so no consumer is taught a cut text as a verified answer.
 ``add`` is a ``lax.scan`` over the new entries: one compile per (buffer, experience) shape.
 """
 
@@ -94,6 +99,7 @@ class Experience:
     src_logp: jax.Array
     src_len: jax.Array
     valid: jax.Array
+    cut: jax.Array            # bool[M] text was longer than max_bytes (cut; implies truncated)
 
 
 @struct.dataclass
@@ -156,8 +162,9 @@ def init(capacity: int, max_bytes: int, max_src_tokens: int, num_policies: int, 
 def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_ids: Sequence = None,
                     src_logp: Sequence = None, truncated=None, round: int = 0, max_bytes: int,
                     max_src_tokens: int, num_rows: Optional[int] = None) -> Experience:
-    """Host helper: pad M texts (UTF-8, cut at max_bytes) and token arrays into an ``Experience``.
+    """Host helper: pad M texts (UTF-8) and token arrays into an ``Experience``.
 
+    A text longer than max_bytes is cut there, flagged ``cut`` and ``truncated`` (never a success).
     source: int or per-entry ints; src_ids/src_logp: per-entry 1-D sequences (cut at max_src_tokens);
     num_rows pads M up to a fixed row count (extra rows invalid) so repeated adds reuse one compile.
     """
@@ -167,8 +174,11 @@ def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_id
         raise ValueError(f"num_rows={R} < number of texts {M}")
     text = np.zeros((R, max_bytes), np.uint8)
     tlen = np.zeros((R,), np.int32)
+    cut = np.zeros((R,), bool)
     for i, t in enumerate(texts):
-        b = t.encode("utf-8")[:max_bytes] if isinstance(t, str) else bytes(t)[:max_bytes]
+        b = t.encode("utf-8") if isinstance(t, str) else bytes(t)
+        cut[i] = len(b) > max_bytes
+        b = b[:max_bytes]
         text[i, :len(b)] = np.frombuffer(b, np.uint8)
         tlen[i] = len(b)
     ids = np.zeros((R, max_src_tokens), np.int32)
@@ -186,9 +196,9 @@ def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_id
                                                 np.full((R - M,), fill, dt)])
     return Experience(prompt_id=jnp.asarray(pad(prompt_ids, np.int32, -1)), source=jnp.asarray(pad(source, np.int32, -1)),
                       text=jnp.asarray(text), text_len=jnp.asarray(tlen), reward=jnp.asarray(pad(rewards, np.float32)),
-                      truncated=jnp.asarray(pad(False if truncated is None else truncated, bool)),
+                      truncated=jnp.asarray(pad(False if truncated is None else truncated, bool) | cut),
                       round=jnp.asarray(pad(round, np.int32)), src_ids=jnp.asarray(ids), src_logp=jnp.asarray(lps),
-                      src_len=jnp.asarray(slen), valid=jnp.asarray(pad(True, bool, False)))
+                      src_len=jnp.asarray(slen), valid=jnp.asarray(pad(True, bool, False)), cut=jnp.asarray(cut))
 
 
 def text_hash(text: jax.Array, text_len: jax.Array) -> jax.Array:
@@ -208,8 +218,9 @@ _ROW_FIELDS = ("prompt_id", "source", "text", "text_len", "text_hash", "reward",
                "src_ids", "src_logp", "src_len")
 
 
-def _insert(rec: RolloutRecord, exp: Experience, keep: jax.Array):
-    """Insert the entries of exp where keep, sequentially (lax.scan). Returns (rec, added, dup, evicted)."""
+def _insert(rec: RolloutRecord, exp: Experience, keep: jax.Array, dedup: bool):
+    """Insert the entries of exp where keep, sequentially (lax.scan); dedup: skip an entry equal to a
+    stored one (same source, prompt, text). Returns (rec, added, dup, evicted)."""
     cap = rec.capacity
     h = text_hash(exp.text, exp.text_len)
     xs = {f: getattr(exp, f) for f in _ROW_FIELDS if f != "text_hash"}
@@ -218,8 +229,8 @@ def _insert(rec: RolloutRecord, exp: Experience, keep: jax.Array):
 
     def step(r, x):
         same_p = r.valid & (r.prompt_id == x["prompt_id"])
-        dup = jnp.any(same_p & (r.source == x["source"]) & (r.text_hash == x["text_hash"])
-                      & (r.text_len == x["text_len"]))
+        dup = dedup & jnp.any(same_p & (r.source == x["source"]) & (r.text_hash == x["text_hash"])
+                              & (r.text_len == x["text_len"]))
         full_p = jnp.sum(same_p) >= r.per_prompt_cap
         oldest_p = jnp.argmin(jnp.where(same_p, r.stamp, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
         slot = jnp.where(full_p, oldest_p, r.ptr)
@@ -260,14 +271,16 @@ def _update_stats(st: GroupStats, exp: Experience, tau: float):
 
 def add(see: SEE, exp: Experience) -> tuple[SEE, dict]:
     """Pure insertion of new experience: returns (new buffer, info); ``see`` itself is unchanged.
-    Rollouts go to ``rollouts`` (dedup + eviction), successes (reward >= tau) also to ``successes``,
-    every valid entry updates ``stats``. Works under jit."""
+    Every rollout goes to ``rollouts`` (repeats kept, ring eviction); verified successes (reward >= tau,
+    not truncated) also to ``successes`` (de-duplicated); every valid entry updates ``stats`` (its true
+    reward: a cut text was scored in full). Works under jit."""
     valid = exp.valid & (exp.prompt_id >= 0)
-    ro, a, d, e = _insert(see.rollouts, exp, valid)
-    su, sa, sd, se = _insert(see.successes, exp, valid & (exp.reward >= see.tau))
+    ro, a, _, e = _insert(see.rollouts, exp, valid, dedup=False)
+    su, sa, sd, se = _insert(see.successes, exp, valid & (exp.reward >= see.tau) & ~exp.truncated, dedup=True)
     st, dropped = _update_stats(see.stats, exp, see.tau)
-    info = {"added": a, "duplicates": d, "evicted": e, "successes_added": sa, "success_duplicates": sd,
-            "successes_evicted": se, "stats_dropped": dropped}
+    info = {"added": a, "evicted": e, "successes_added": sa, "success_duplicates": sd,
+            "successes_evicted": se, "stats_dropped": dropped,
+            "texts_cut": jnp.sum((valid & exp.cut).astype(jnp.int32))}
     return see.replace(rollouts=ro, successes=su, stats=st), info
 
 
@@ -283,7 +296,9 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
                  k_successes: int = 0, k_own: int = 0) -> dict:
     """Host: choose K = k_rollouts + k_successes + k_own entries per batch prompt for ``consumer``.
 
-    Rollout slots: the newest records of other policies from their latest round on that prompt (kind PEER).
+    Rollout slots: the records of other policies from their latest round on that prompt (kind PEER), each
+    peer's in sampling order, taken round-robin over peers (so every peer is represented), repeats kept:
+    they are the peers' actual samples of that round, with their multiplicity.
     Success slots: the newest archived successes of other policies not already chosen (kind ARCHIVE).
     Own slots: the consumer's own newest archived successes (kind OWN_ARCHIVE, for the replay probe).
     Returns numpy arrays over S = P*K slots (table 0 = rollouts, 1 = successes, -1 = empty; index; kind;
@@ -302,8 +317,7 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
         m = ro.valid & (ro.prompt_id == pid) & (ro.source != consumer)
         if 0 <= pid < lr.shape[0]:
             m &= ro.round == lr[pid, np.clip(ro.source, 0, lr.shape[1] - 1)]
-        idx = np.nonzero(m)[0]
-        chosen = [(0, int(i)) for i in idx[np.argsort(-ro.stamp[idx], kind="stable")][:k_rollouts]]
+        chosen = [(0, i) for i in _round_robin(ro, np.nonzero(m)[0])[:k_rollouts]]
         seen = {(int(ro.source[i]), int(ro.text_hash[i]), int(ro.text_len[i])) for _, i in chosen}
         ms = su.valid & (su.prompt_id == pid) & (su.source != consumer)
         sidx = np.nonzero(ms)[0]
@@ -330,6 +344,17 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
             out["src_ids"].append(np.asarray(rec.src_ids[i][: rec.src_len[i]]))
             out["src_logp"].append(np.asarray(rec.src_logp[i][: rec.src_len[i]]))
             out["filled"].append(s)
+    return out
+
+
+def _round_robin(rec, idx: np.ndarray) -> list[int]:
+    """Record indices ``idx`` ordered round-robin over sources (ascending source), each source's records in
+    insertion order: [s0 first, s1 first, ..., s0 second, ...]."""
+    per = [idx[rec.source[idx] == j] for j in np.unique(rec.source[idx])]
+    per = [q[np.argsort(rec.stamp[q], kind="stable")] for q in per]
+    out = []
+    for k in range(max((len(q) for q in per), default=0)):
+        out += [int(q[k]) for q in per if k < len(q)]
     return out
 
 

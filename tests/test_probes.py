@@ -126,8 +126,8 @@ def test_pooled_row_advantages_equal_grpo_pooled(flat, cw):
 @jax.jit
 def _pooled_check(batch, view, r, cw):
     rows = assemble_rows(batch)
-    got_cw = probes.pooled_row_advantages(rows, view, capability_weighted=True)
-    got = probes.pooled_row_advantages(rows, view, capability_weighted=False)
+    got_cw = probes.pooled_row_advantages(rows.replace(pool_weighted=jnp.asarray(True)), view)
+    got = probes.pooled_row_advantages(rows, view)
     expect_cw = grpo.pooled_advantages(r, peer_weights=grpo.capability_weights(r, threshold=1.0))[0].reshape(-1)
     expect = grpo.pooled_advantages(r)[0].reshape(-1)
     alone = probes.xgrpo().advantages(rows.rewards, rows, view.replace(peer_stats=0 * view.peer_stats),
@@ -176,7 +176,7 @@ def _sgt_term_grad(probe, batch, view):
 
     @jax.jit
     def run(params, batch, view):
-        rows = probe.extend(assemble_rows(batch, view), view, KEY)
+        rows, _ = probe.extend(assemble_rows(batch, view), view, KEY)
 
         def term(p):
             lpp = rows_logp(nnx.merge(GRAPHDEF, p), rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
@@ -221,14 +221,14 @@ def test_sgt_is_exactly_zero_with_own_success_and_draws_one_rescue():
     # all own rows failed, three peer successes per prompt: exactly one drawn per prompt, key-dependent
     batch, view, *_ = _make(np.zeros((P, G)), np.ones((P, G)))
     picks = set()
-    ext = jax.jit(lambda b, v, k: probes.sgt().extend(assemble_rows(b, v), v, k))
+    ext = jax.jit(lambda b, v, k: probes.sgt().extend(assemble_rows(b, v), v, k)[0])
     for k in range(6):
         rows = ext(batch, view, jax.random.PRNGKey(k))
         sel = np.nonzero(np.asarray(rows.sft_weight))[0]
         assert len(sel) == P and sorted(np.asarray(rows.prompt_slot)[sel]) == list(range(P))
         picks.add(tuple(sel))
     assert len(picks) > 1
-    rows = probes.sgt(gate="always", rescues_per_prompt=2).extend(assemble_rows(batch, view), view, KEY)
+    rows, _ = probes.sgt(gate="always", rescues_per_prompt=2).extend(assemble_rows(batch, view), view, KEY)
     assert float(jnp.sum(rows.sft_weight > 0)) == 2 * P
 
 
@@ -249,14 +249,14 @@ def test_prp_masks_residual_chunks_and_truncates_weights():
     view = view.replace(chunk_valid=cv, src_chunk_logp=view.src_chunk_logp - 1.0)   # peer less likely: w = e
     rows = assemble_rows(batch, view)
     rows = rows.replace(old_logp=rows.old_logp.at[P * G:].set(view.src_chunk_logp + 1.0))
-    out = probes.prp(truncate=1.0).extend(rows, view, KEY)
+    out, om = probes.prp(truncate=1.0).extend(rows, view, KEY)
     peer = slice(P * G, None)
     assert float(jnp.max(out.pg_weight[peer])) <= 1.0 + 1e-6      # truncated at 1
     assert float(jnp.sum(out.pg_mask[peer][:, 0])) == 0.0           # residual chunk masked
     np.testing.assert_allclose(out.pg_mask[peer][:, 1:], view.mask[:, 1:])
-    assert float(out.metrics["prp/residual_frac"][0]) == float(jnp.sum(view.mask[:, 0]))
-    shaped = probes.prp(mode="shaping").extend(rows, view, KEY)
-    assert bool(shaped.shaping[peer].all()) and not bool(shaped.shaping[:P * G].any())
+    assert float(om["prp/residual_frac"][0]) == float(jnp.sum(view.mask[:, 0]))
+    shaped, _ = probes.prp(mode="shaping").extend(rows, view, KEY)
+    assert bool((shaped.shaping_gamma[peer] > 0).all()) and not bool((shaped.shaping_gamma[:P * G] > 0).any())
 
 
 def test_switch_one_compile_serves_every_chain():

@@ -38,7 +38,7 @@ def test_replay_gradient_is_lambda_mean_grad_logp_of_own_successes():
 
 def test_replay_gate_own_failure_only_fires_on_failed_prompts():
     batch, view, *_ = _own_archive_view([[1, 1, 0], [1, 0, 1]])
-    rows = probes.replay(gate="own_failure").extend(assemble_rows(batch, view), view, KEY)
+    rows, _ = probes.replay(gate="own_failure").extend(assemble_rows(batch, view), view, KEY)
     fired = np.nonzero(np.asarray(rows.sft_weight))[0]
     assert set(np.asarray(rows.prompt_slot)[fired]) == {0}   # prompt 1 is solved by the own group
 

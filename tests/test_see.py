@@ -19,19 +19,53 @@ def _texts(rec):
     return sorted(S.decode_text(rec, i) for i in range(rec.capacity) if bool(rec.valid[i]))
 
 
-def test_add_is_pure_and_dedups():
+def test_add_is_pure_keeps_multiplicity_and_archive_dedups():
     buf = S.init(8, 16, 8, num_policies=2, num_prompts=4, tau=1.0)
     before = jax.tree.map(np.asarray, buf)
     new, info = _add(buf, _exp(["ab", "ab", "cd", "ab"], [0, 0, 0, 1], [0, 0, 0, 0], [1.0, 1.0, 0.0, 0.0]))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), buf, before)  # old unchanged
-    assert int(info["added"]) == 3 and int(info["duplicates"]) == 1     # same source+prompt+text once
-    assert _texts(new.rollouts) == ["ab", "ab", "cd"]
-    assert int(info["successes_added"]) == 1                             # "ab" (reward 1) once
+    assert int(info["added"]) == 4                                       # every sample kept, repeats too
+    assert _texts(new.rollouts) == ["ab", "ab", "ab", "cd"]
+    assert int(info["successes_added"]) == 1 and int(info["success_duplicates"]) == 1   # archive dedups
     new2, info2 = _add(new, _exp(["ab", "ab"], [0, 0], [1, 0], [1.0, 1.0]))
-    assert int(info2["added"]) == 1 and int(info2["duplicates"]) == 1    # other source is not a duplicate
-    # stats count every sample (duplicates too)
+    assert int(info2["added"]) == 2
+    assert int(info2["successes_added"]) == 1 and int(info2["success_duplicates"]) == 1  # other source is new
     np.testing.assert_allclose(new.stats.total[0, 0], [3.0, 2.0, 2.0, 2.0])
     np.testing.assert_allclose(new.stats.total[1, 0], [1.0, 0.0, 0.0, 0.0])
+
+
+def test_repeated_peer_samples_fill_every_rollout_slot_every_round():
+    """A greedy peer answers the same text G times, in round 0 and again in round 1: the consumer's view
+    holds k_rollouts PEER rows of it in both rounds (before: 1 row in round 0, none in round 1)."""
+    buf = S.init(64, 16, 8, num_policies=2, num_prompts=4, tau=1.0)
+    for rnd in range(2):
+        buf, _ = _add(buf, _exp(["42"] * 4, [1] * 4, 1, [1.0] * 4, rnd=rnd))
+        sel = S.select_peers(buf, consumer=0, prompt_ids=[1], k_rollouts=4)
+        assert list(sel["kind"]) == [S.PEER] * 4 and sel["texts"] == ["42"] * 4
+
+
+def test_rollout_slots_round_robin_over_peers():
+    buf = S.init(64, 16, 8, num_policies=3, num_prompts=4, tau=1.0)
+    buf, _ = _add(buf, _exp(["a0", "a1", "a2"], [0] * 3, 1, [0.0] * 3))
+    buf, _ = _add(buf, _exp(["b0", "b1", "b2"], [0] * 3, 2, [0.0] * 3))
+    sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=4)
+    assert sel["texts"] == ["a0", "b0", "a1", "b1"]
+
+
+def test_cut_text_is_truncated_never_a_success_and_counted():
+    buf = S.init(8, 4, 8, num_policies=2, num_prompts=4, tau=1.0)
+    exp = S.make_experience(["the answer is 42", "42"], [0, 0], 1, [1.0, 1.0], round=0, max_bytes=4,
+                            max_src_tokens=8)
+    assert list(np.asarray(exp.truncated)) == [True, False]
+    buf, info = _add(buf, exp)
+    assert int(info["texts_cut"]) == 1 and int(info["successes_added"]) == 1
+    assert _texts(buf.successes) == ["42"]
+    sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=2)
+    toks = [[ord(c) for c in t] for t in sel["texts"]]
+    view = S.make_view(sel, S.identity_alignment(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
+                       max_completion_len=8, max_chunks=8, eos_id=99)
+    cut_slot = sel["texts"].index("the ")
+    assert bool(view.truncated[cut_slot]) and 99 not in list(np.asarray(view.ids[cut_slot]))   # no EOS
 
 
 def test_ring_eviction_and_per_prompt_cap():

@@ -6,14 +6,13 @@ For consumer i the round becomes exactly what the LLM learner sees (``mrl_jax.pr
 every peer's rollouts (kind PEER). THL is one chunk per row; its residual is modelled by corrupting the
 source log-prob the consumer sees, ``src_chunk_logp = log pi_j(a) + sigma * xi`` (xi ~ N(0, 1), fresh per
 consumer and row), and by dropping a row's only chunk with probability ``drop`` (chunk_valid False).
-The update is the learner's: probe.extend -> GRPO group advantages -> probe.advantages -> GRPO policy
-term (``grpo.policy_loss`` with the rows' weights, masks, row counts and LUFFY shaping) + the probe's
-loss terms, each divided by its full-batch denominator; the direction is minus its gradient.
+The update is the learner's objective (``mrl_jax.objective``, written once): probe.extend -> GRPO group
+advantages -> probe.advantages -> GRPO policy term (weights, masks, row counts, LUFFY shaping) + the
+probe's loss terms, each divided by its full-batch denominator; the direction is minus its gradient.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -21,12 +20,13 @@ import jax.numpy as jnp
 
 from mrl_jax import grpo
 from mrl_jax import probes as P
+from mrl_jax import rows as R
+from mrl_jax.objective import GRPOConfig, objective
 from mrl_jax.see import SeeView
 from mrl_jax.bandit import env as E
 from mrl_jax.bandit.lab_probes import LabProbe
 
 TAU = 1.0
-_HAS_PROBE_INDEX = "probe_index" in {f.name for f in dataclasses.fields(P.Rows)}
 
 
 View = SeeView  # the view the probes read: the same pytree as the LLM trainer's
@@ -71,61 +71,39 @@ def peers_of(consumer, N: int) -> jax.Array:
 
 def build_rows(env: E.Env, consumer, logp: jax.Array, rnd: Round, sigma, with_peers: bool, probe_index=0):
     """(Rows, View) for consumer i (int or traced), laid out as the learner lays them out
-    (``mrl_jax.learner.assemble_rows``): own rows (C*G, prompt-major, active) then the view's (N-1)*G
-    peer slots per prompt (inactive until a probe's extend activates them). One token per row (the arm),
-    one THL chunk per peer row."""
+    (``mrl_jax.rows.own_rows`` ++ ``peer_rows``): own rows (C*G, prompt-major, active) then the view's
+    (N-1)*G peer slots per prompt (inactive until a probe's extend activates them). One token per row (the
+    arm), one THL chunk per peer row."""
     N, C, G = rnd.arms.shape
     i = jnp.asarray(consumer, jnp.int32)
     n = C * G
-    own_arms = rnd.arms[i]
-    own_lp = jnp.take_along_axis(logp[i], own_arms, axis=-1).reshape(n, 1)
-    slot_own = jnp.repeat(jnp.arange(C, dtype=jnp.int32), G)
-    own = dict(
-        prompt_ids=slot_own[:, None], prompt_mask=jnp.ones((n, 1), bool),
-        completion_ids=own_arms.reshape(n, 1), completion_mask=jnp.ones((n, 1), jnp.float32),
-        old_logp=jax.lax.stop_gradient(own_lp), ref_logp=jnp.zeros((n, 1), jnp.float32),
-        rewards=rnd.rewards[i].reshape(-1), truncated=jnp.zeros((n,), bool),
-        row_kind=jnp.full((n,), P.OWN, jnp.int32), prompt_slot=slot_own,
-        source=jnp.full((n,), i, jnp.int32), dst_chunk=jnp.full((n, 1), -1, jnp.int32),
-        src_chunk_logp=jnp.zeros((n, 1), jnp.float32), chunk_valid=jnp.zeros((n, 1), bool),
-        pg_row=jnp.ones((n,), jnp.float32), pg_mask=jnp.ones((n, 1), jnp.float32),
-        pg_weight=jnp.ones((n, 1), jnp.float32), shaping=jnp.zeros((n,), bool),
-        sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32))
+    own_arms = rnd.arms[i].reshape(n, 1)
+    own_lp = jnp.take_along_axis(logp[i], rnd.arms[i], axis=-1).reshape(n, 1)
+    prompts, pmask = jnp.arange(C, dtype=jnp.int32)[:, None], jnp.ones((C, 1), bool)
+    rows = R.own_rows(prompts, pmask, own_arms, jnp.ones((n, 1)), jax.lax.stop_gradient(own_lp),
+                      jnp.zeros((n, 1)), rnd.rewards[i].reshape(-1), jnp.zeros((n,), bool), consumer=i,
+                      num_generations=G, probe_index=probe_index)
     Kp = (N - 1) * G
     S = C * Kp if with_peers else 0
     stats = peer_stats(rnd.rewards, i)
-    if S:
-        pj = peers_of(i, N)
-        flat = lambda x: jnp.swapaxes(x, 0, 1).reshape((S,) + x.shape[3:])      # [N-1, C, G] -> s = c*Kp + k
-        arms = rnd.arms[pj]
-        src_lp = jnp.take_along_axis(logp[pj], arms, -1) + sigma * rnd.noise[i, pj]
-        view = View(ids=flat(arms)[:, None], mask=jnp.ones((S, 1), jnp.float32),
-                    dst_chunk=jnp.zeros((S, 1), jnp.int32),
-                    src_chunk_logp=jax.lax.stop_gradient(flat(src_lp))[:, None],
-                    chunk_valid=flat(rnd.valid[i, pj])[:, None], rewards=flat(rnd.rewards[pj]),
-                    source=flat(jnp.broadcast_to(pj[:, None, None], arms.shape)),
-                    kind=jnp.full((S,), P.PEER, jnp.int32),
-                    prompt_slot=jnp.repeat(jnp.arange(C, dtype=jnp.int32), Kp), truncated=jnp.zeros((S,), bool),
-                    peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
-        peer = dict(
-            prompt_ids=view.prompt_slot[:, None], prompt_mask=jnp.ones((S, 1), bool), completion_ids=view.ids,
-            completion_mask=view.mask, old_logp=jnp.zeros((S, 1), jnp.float32),
-            ref_logp=jnp.zeros((S, 1), jnp.float32), rewards=view.rewards, truncated=view.truncated,
-            row_kind=view.kind, prompt_slot=view.prompt_slot, source=view.source, dst_chunk=view.dst_chunk,
-            src_chunk_logp=view.src_chunk_logp, chunk_valid=view.chunk_valid, pg_row=jnp.zeros((S,), jnp.float32),
-            pg_mask=jnp.zeros((S, 1), jnp.float32), pg_weight=jnp.zeros((S, 1), jnp.float32),
-            shaping=jnp.zeros((S,), bool), sft_weight=jnp.zeros((S,), jnp.float32),
-            advantages=jnp.zeros((S,), jnp.float32))
-        own = {k: jnp.concatenate([own[k], peer[k]], axis=0) for k in own}
-    else:
+    if not S:
         z = jnp.zeros((0, 1))
         view = View(ids=z.astype(jnp.int32), mask=z, dst_chunk=z.astype(jnp.int32), src_chunk_logp=z,
                     chunk_valid=z.astype(bool), rewards=jnp.zeros((0,)), source=jnp.zeros((0,), jnp.int32),
                     kind=jnp.zeros((0,), jnp.int32), prompt_slot=jnp.zeros((0,), jnp.int32),
                     truncated=jnp.zeros((0,), bool), peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
-    extra = {"probe_index": jnp.asarray(probe_index, jnp.int32)} if _HAS_PROBE_INDEX else {}
-    rows = P.Rows(**own, consumer=i, metrics={}, num_prompts=C, num_generations=G, **extra)
-    return rows, view
+        return rows, view
+    pj = peers_of(i, N)
+    flat = lambda x: jnp.swapaxes(x, 0, 1).reshape((S,) + x.shape[3:])      # [N-1, C, G] -> s = c*Kp + k
+    arms = rnd.arms[pj]
+    src_lp = jnp.take_along_axis(logp[pj], arms, -1) + sigma * rnd.noise[i, pj]
+    view = View(ids=flat(arms)[:, None], mask=jnp.ones((S, 1), jnp.float32), dst_chunk=jnp.zeros((S, 1), jnp.int32),
+                src_chunk_logp=jax.lax.stop_gradient(flat(src_lp))[:, None],
+                chunk_valid=flat(rnd.valid[i, pj])[:, None], rewards=flat(rnd.rewards[pj]),
+                source=flat(jnp.broadcast_to(pj[:, None, None], arms.shape)), kind=jnp.full((S,), P.PEER, jnp.int32),
+                prompt_slot=jnp.repeat(jnp.arange(C, dtype=jnp.int32), Kp), truncated=jnp.zeros((S,), bool),
+                peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
+    return R.concat(rows, R.peer_rows(view, prompts, pmask)), view
 
 
 def rows_logp(logp_i: jax.Array, rows: P.Rows) -> jax.Array:
@@ -133,53 +111,19 @@ def rows_logp(logp_i: jax.Array, rows: P.Rows) -> jax.Array:
     return grpo.token_logprobs(logp_i[rows.prompt_slot][:, None, :], rows.completion_ids)
 
 
-def pg_term(logp: jax.Array, rows: P.Rows, shaping: bool = False, gamma: float = 0.1):
-    """The learner's GRPO policy term on the rows (``mrl_jax.learner.pg_term`` with beta = 0, loss_type
-    "grpo"): clipped surrogate with PG weights/masks/row counts; LUFFY shaping on shaping rows when the
-    probe uses it."""
-    kw = {}
-    if shaping:
-        C = rows.src_chunk_logp.shape[1]
-        cl = P.chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
-        kw = dict(shaping_mask=rows.shaping[:, None] & (rows.pg_mask > 0),
-                  shaping_logratio=P.chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk), shaping_gamma=gamma)
-    return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=0.2, loss_type="grpo",
-                            weights=rows.pg_weight, row_valid=rows.pg_row, **kw)
-
-
-def prepare_rows(env: E.Env, spec: LabProbe, probe: P.Probe, consumer: int, logp: jax.Array, rnd: Round,
-                 sigma, key: jax.Array) -> tuple[P.Rows, View]:
-    """Rows after extend and advantages (what the learner differentiates), and the view."""
-    rows, view = build_rows(env, consumer, logp, rnd, sigma, probe.needs_peers)
-    C, G = rows.num_prompts, rows.num_generations
-    n_own = C * G
-    R = rows.rewards.shape[0]
-    if probe.needs_peers and probe.needs_peer_logp and R > n_own:
-        lp = jax.lax.stop_gradient(rows_logp(logp[consumer], rows))
-        rows = rows.replace(old_logp=rows.old_logp.at[n_own:].set(lp[n_own:]))
-    rows = probe.extend(rows, view, key)
-    adv0 = grpo.group_advantages(rnd.rewards[consumer]).reshape(-1)
-    adv = jnp.concatenate([adv0, jnp.zeros((R - n_own,), jnp.float32)])
-    adv = probe.advantages(rows.rewards, rows, view, adv)
-    return rows.replace(advantages=adv), view
-
-
 def loss_and_metrics(env: E.Env, spec: LabProbe, probe: P.Probe, consumer: int, theta_i: jax.Array,
                      logp: jax.Array, rnd: Round, sigma, key: jax.Array):
-    """(loss(theta_i), metrics) for consumer i on this round; logp f32[N, C, K] at the current params."""
-    rows, _ = prepare_rows(env, spec, probe, consumer, logp, rnd, sigma, key)
-    probe_metrics = rows.metrics
-    rows = rows.replace(metrics={})
-    shaping = bool(getattr(probe, "uses_shaping", spec.prp_mode == "shaping"))
-    _, pg_den, _ = pg_term(rows.old_logp, rows, shaping, spec.gamma)
-    _, t_den, _ = probe.loss_terms(rows.old_logp, rows)
-    pg_den = jax.lax.stop_gradient(jnp.maximum(pg_den, 1e-30))
-    t_den = jax.lax.stop_gradient(jnp.maximum(t_den, 1e-30))
-    lp = rows_logp(E.log_probs(env, consumer, theta_i), rows)
-    s, _, _ = pg_term(lp, rows, shaping, spec.gamma)
-    ts, _, _ = probe.loss_terms(lp, rows)
-    loss = s / pg_den + jnp.sum(ts / t_den)
-    return loss, grpo.reduce_metrics(probe_metrics)
+    """(loss(theta_i), metrics) for consumer i on this round: the library's objective
+    (``mrl_jax.objective.objective``, the learner's, with beta 0, loss_type "grpo", epsilon 0.2) on the
+    bandit's rows; logp f32[N, C, K] at the current params (own rows' pi_old)."""
+    rows, view = build_rows(env, consumer, logp, rnd, sigma, probe.needs_peers)
+    cfg = GRPOConfig(num_generations=rows.num_generations, max_completion_length=1)
+
+    def logp_fn(r):
+        lp = rows_logp(E.log_probs(env, consumer, theta_i), r)
+        return lp, jnp.zeros_like(lp)
+
+    return objective(logp_fn, rows, view, key, probe, cfg)
 
 
 def round_directions(env: E.Env, spec: LabProbe, params: jax.Array, rnd: Round, key: jax.Array, sigma=0.0,

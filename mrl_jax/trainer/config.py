@@ -12,7 +12,7 @@ from typing import Literal, Optional, Union
 
 from mrl_jax.configs import check, field
 from mrl_jax.learner import GRPOConfig
-from mrl_jax.probes import make_probe
+from mrl_jax.probes import make_probe, run_option_conflicts
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -119,6 +119,24 @@ class LoraSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RefModelSpec:
+    """The frozen KL reference (used only when grpo.beta > 0; with beta = 0 no reference is held)."""
+
+    path: Optional[str] = field(None, help="local HF directory of a separate reference model (same architecture "
+                                           "and shapes as the policy); None = the policy's params at the start of "
+                                           "RL (after the warm start)")
+    sync_ref_model: bool = field(False, help="TRL's sync_ref_model: move the reference toward the policy every "
+                                             "ref_model_sync_steps updates")
+    ref_model_sync_steps: int = field(512, help="updates between reference syncs (TRL's name)")
+    ref_model_mixup_alpha: float = field(0.6, help="sync: ref = alpha * policy + (1 - alpha) * ref (TRL's name)")
+
+    def __post_init__(self):
+        check(self.ref_model_sync_steps >= 1, "ref_model_sync_steps", f"must be >= 1, got {self.ref_model_sync_steps}")
+        check(0.0 <= self.ref_model_mixup_alpha <= 1.0, "ref_model_mixup_alpha",
+              f"must be in [0, 1], got {self.ref_model_mixup_alpha}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """One policy of the run."""
 
@@ -139,7 +157,9 @@ class PolicySpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec, help="rollout sampling")
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec, help="optimizer")
     grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
-    probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'")
+    probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'; scale/eps/tau come "
+                                      "from grpo.scale_rewards, grpo.reward_eps and see.success_threshold")
+    ref_model: RefModelSpec = field(default_factory=RefModelSpec, help="KL reference (grpo.beta > 0)")
     warm_start: WarmStartSpec = field(default_factory=WarmStartSpec, help="supervised warm start")
     max_prompt_length: int = field(
         0, help="prompt token limit of this policy (template and BOS included); 0 = the model's context "
@@ -152,10 +172,18 @@ class PolicySpec:
         check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
               "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
+        check("|" not in self.probes, "probes",
+              f"{self.probes!r}: '|' builds a probes.switch (one compile over several chains, for library use); "
+              "a run trains one chain per policy: name it with '+' (e.g. 'xgrpo+sgt')")
         try:
             make_probe(self.probes)
         except (ValueError, TypeError) as e:
             check(False, "probes", f"{self.probes!r}: {e}")
+        if self.grpo.beta == 0.0:
+            check(self.ref_model.path is None, "ref_model.path", "a reference model is used only with grpo.beta > 0; "
+                  "set grpo.beta or drop ref_model.path")
+            check(not self.ref_model.sync_ref_model, "ref_model.sync_ref_model",
+                  "syncs the KL reference, which exists only with grpo.beta > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +211,14 @@ class SeeSpec:
     peer_rollouts_per_prompt: int = field(8, help="peer rollout slots per prompt in a consumer's view (PRP)")
     peer_successes_per_prompt: int = field(2, help="archived peer success slots per prompt (SGT)")
     own_successes_per_prompt: int = field(1, help="archived own success slots per prompt (replay probe)")
-    max_text_bytes: int = field(256, help="bytes of completion text stored per record")
+    max_text_bytes: int = field(0, help="bytes of completion text stored per record; 0 = sized so that "
+                                        "max_new_tokens of the longest tokens of every policy's tokenizer fit "
+                                        "(a smaller value is an error: a cut text would not be the sample)")
 
     def __post_init__(self):
-        for key in ("capacity", "per_prompt_cap", "max_text_bytes"):
+        for key in ("capacity", "per_prompt_cap"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        check(self.max_text_bytes >= 0, "max_text_bytes", f"must be >= 0 (0 = auto), got {self.max_text_bytes}")
         for key in ("peer_rollouts_per_prompt", "peer_successes_per_prompt", "own_successes_per_prompt"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
@@ -238,3 +269,7 @@ class RunConfig:
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
         for key in ("eval_every", "max_reward_failures"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        for i, p in enumerate(self.policies):
+            bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
+                                       tau=self.see.success_threshold)
+            check(not bad, f"policies.{i}.probes", "; ".join(bad))

@@ -25,6 +25,7 @@ from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.metrics import RunLog
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
+from mrl_jax.trainer.reference import initial_reference
 from mrl_jax.trainer.round import RunState, ViewShape, run_round
 from mrl_jax.trainer.sft import uniform_draw, warm_start
 
@@ -75,11 +76,13 @@ class Run:
                                        batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                        completion_length=spec.sampling.max_new_tokens, seed=cfg.seed * 1000 + i)
                 st = st.replace(params=params)
+            st = st.replace(ref_params=initial_reference(spec, st.params))
             self.policies.append(pol)
             states.append(st)
         self._fit_prompts()
         max_src = max(p.sampling.max_new_tokens for p in self.policies)
-        see = see_lib.init(cfg.see.capacity, cfg.see.max_text_bytes, max_src, len(self.policies),
+        see = see_lib.init(cfg.see.capacity, text_budget(cfg.see.max_text_bytes, self.policies), max_src,
+                           len(self.policies),
                            len(self.train_prompts), per_prompt_cap=cfg.see.per_prompt_cap,
                            success_capacity=cfg.see.capacity, tau=cfg.see.success_threshold)
         self.state = RunState(policies=tuple(states), see=see)
@@ -183,6 +186,22 @@ class Run:
     def evaluate(self, state: RunState, num_prompts: int | None = None) -> dict:
         prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
         return evaluate(self.policies, state.policies, self.task, prompts)
+
+
+def text_budget(requested: int, policies: Sequence[Policy]) -> int:
+    """SEE bytes per completion text: enough for ``max_new_tokens`` of the longest token of each policy's
+    tokenizer (``requested`` 0 = exactly that; a smaller explicit value is a config error)."""
+    need = {p.name: (int(p.tokenizer.byte_table.lengths.max()) * p.completion_length, p.completion_length)
+            for p in policies}
+    worst = max(need, key=lambda n: need[n][0])
+    size, tokens = need[worst]
+    if requested == 0:
+        return size
+    if requested < size:
+        raise ConfigError(f"config key 'see.max_text_bytes': {requested} bytes may not hold {tokens} tokens of policy "
+                          f"{worst!r} (its longest token is {size // tokens} bytes); set it to >= {size}, or 0 to "
+                          "size it automatically.")
+    return requested
 
 
 def _prompt_limit(spec, model) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from flax import nnx, struct
@@ -17,7 +17,8 @@ from flax import nnx, struct
 from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError
-from mrl_jax.learner import make_optimizer, make_update_step
+from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
+from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, make_probe
 from mrl_jax.rollout import SamplingConfig
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
@@ -26,10 +27,11 @@ from mrl_jax.trainer.config import PolicySpec, RunConfig
 
 @struct.dataclass
 class PolicyState:
-    """The arrays of one policy that a round changes."""
+    """The arrays of one policy that a round changes; ref_params: the frozen KL reference (None when beta = 0)."""
 
     params: Any
     opt_state: Any
+    ref_params: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Policy:
     probe: Probe
     optimizer: Any  # optax.GradientTransformation
     update: Callable  # (params, opt_state, Batch, SeeView, key) -> (params, opt_state, metrics)
+    ref_logp: Optional[Callable] = None  # (ref_params, Batch) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
 
     @property
@@ -122,8 +125,49 @@ def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     return models.tiny_model(m.family, tokenizer.vocab_size, seed=seed, **overrides)
 
 
+def add_lora(spec: PolicySpec, model, seed: int):
+    """``model`` with ``spec.lora`` adapters (unchanged when lora.rank is 0); errors name the config key."""
+    lo = spec.lora
+    if lo.rank == 0:
+        return model
+    from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
+
+    try:
+        return lora_lib.apply_lora(model, rank=lo.rank, alpha=lo.alpha, targets=lo.target_modules,
+                                   dropout=lo.dropout, seed=seed,
+                                   strict=tuple(lo.target_modules) != LORA_DEFAULT_TARGETS)
+    except lora_lib.LoRAError as e:
+        key, _, msg = str(e).partition(": ")
+        raise ConfigError(f"config key 'policies.{spec.name}.{key}': {msg}") from e
+
+
+def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Callable:
+    """``update(params, opt_state, batch, view, key)`` of a LoRA policy: ``params`` is the full state, only its
+    ``nnx.LoRAParam`` leaves are differentiated and held in ``opt_state`` (the base goes to the learner as
+    ``frozen``, never donated, never copied). beta > 0: the batch's ``ref_logp`` is the base with the adapters
+    zeroed. Adapter dropout is on in this graph only, with fresh keys from ``key`` every call."""
+    graphdef, _, _ = nnx.split(lora_lib.set_dropout(model, True), nnx.LoRAParam, ...)
+    lora_lib.set_dropout(model, False)
+    inner = make_update_step(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
+    ref_logp = make_logp_fn(graphdef, grpo_cfg, micro_batch_size) if grpo_cfg.beta > 0 else None
+
+    def update(params, opt_state, batch, see_view, key, probe_index=0):
+        adapters, frozen = lora_lib.split_adapters(params)
+        if ref_logp is not None:
+            batch = batch.replace(ref_logp=ref_logp(lora_lib.adapters_off(adapters), batch, frozen=frozen))
+        keyed = lora_lib.dropout_keys(frozen, jax.random.fold_in(key, 1))
+        adapters, opt_state, metrics = inner(adapters, opt_state, batch, see_view, key, probe_index, frozen=keyed)
+        return nnx.merge_state(adapters, frozen), opt_state, metrics
+
+    return update
+
+
 def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig) -> tuple[Policy, PolicyState]:
-    """Split ``model`` into graph and params, build the optimizer, sampler config and jitted update."""
+    """Split ``model`` into graph and params, build the optimizer, sampler config and jitted update.
+
+    ``spec.lora.rank > 0``: ``model`` gets adapters (``add_lora``); ``PolicyState.params`` is then the full
+    state (base + adapters, what the sampler and checkpoints use) and ``opt_state`` covers the adapters only."""
+    model = add_lora(spec, model, seed=run.seed * 1000 + index)
     graphdef, params = nnx.split(model)
     opt = spec.optimizer
     total = run.rounds * spec.grpo.num_iterations
@@ -133,17 +177,31 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     grpo_cfg = dataclasses.replace(spec.grpo, num_generations=run.num_generations,
                                    max_completion_length=spec.sampling.max_new_tokens,
                                    temperature=spec.sampling.temperature)
-    update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
+    if spec.lora.rank:
+        update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
+        trainable = lora_lib.split_adapters(params)[0]
+    else:
+        update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
+        trainable = params
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    ref_logp = make_logp_fn(graphdef, grpo_cfg, opt.micro_batch_size) if grpo_cfg.beta > 0 and not spec.lora.rank \
+        else None  # a LoRA policy's reference (adapters off) is scored inside its update
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update,
+                    probe=probe, optimizer=optimizer, update=update, ref_logp=ref_logp,
                     prompt_format=build_prompt_format(spec, tokenizer))
-    return policy, PolicyState(params=params, opt_state=optimizer.init(params))
+    return policy, PolicyState(params=params, opt_state=optimizer.init(trainable))
 
 
 def param_count(state: PolicyState) -> int:
     return int(sum(x.size for x in jax.tree.leaves(state.params)))
+
+
+def trainable_param_count(state: PolicyState) -> int:
+    """Parameters the optimizer updates: the adapters of a LoRA policy, else every parameter."""
+    adapters, _ = lora_lib.split_adapters(state.params)
+    n = sum(x.size for x in jax.tree.leaves(adapters))
+    return int(n) if n else param_count(state)

@@ -27,6 +27,7 @@ from mrl_jax.rollout import generate
 from mrl_jax.tasks import Prompt
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
+from mrl_jax.trainer.reference import maybe_sync
 
 
 @struct.dataclass
@@ -98,6 +99,19 @@ def _mean_metrics(dicts: list[dict], prefix: str) -> dict:
     return out
 
 
+def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, key, round_index: int):
+    """``num_iterations`` updates of one policy on its batch (reference synced as TRL's callback would)."""
+    params, opt_state, ref = ps.params, ps.opt_state, ps.ref_params
+    mu = pol.spec.grpo.num_iterations
+    skipped = 0.0
+    for it in range(mu):
+        params, opt_state, m = pol.update(params, opt_state, batch, view, jax.random.fold_in(key, it))
+        skipped = skipped + m["skipped"]
+        ref = maybe_sync(pol.spec, params, ref, round_index * mu + it + 1)
+    m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
+    return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
+
+
 def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Prompt], dense_ids: np.ndarray, *,
               scorer, key: jax.Array, round_index: int, num_generations: int, view_shape: ViewShape,
               num_samples_logged: int = 2) -> tuple[RunState, dict, list]:
@@ -162,14 +176,10 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
                           completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
                           old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
                           rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
-            params, opt_state = ps.params, ps.opt_state
-            k_upd = keys[len(policies) + pol.index]
-            skipped = 0.0
-            for it in range(pol.spec.grpo.num_iterations):
-                params, opt_state, m = pol.update(params, opt_state, batch, view, jax.random.fold_in(k_upd, it))
-                skipped = skipped + m["skipped"]
-            m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
-            new_states.append(PolicyState(params=params, opt_state=opt_state))
+            if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
+                batch = batch.replace(ref_logp=pol.ref_logp(ps.ref_params, batch))
+            new_state, m = _update_policy(pol, ps, batch, view, keys[len(policies) + pol.index], round_index)
+            new_states.append(new_state)
             raw_metrics.append(m)
         raw_metrics = jax.device_get(raw_metrics)
 

@@ -1,0 +1,54 @@
+"""The frozen KL reference pi_ref of a policy (only when grpo.beta > 0; with beta = 0 none is held).
+
+The reference is the policy's params at the start of RL (after any warm start; a copy, never an alias of
+the donated training buffers) or a separate local checkpoint (``ref_model.path``, same architecture and
+shapes). TRL's ``sync_ref_model``: every ``ref_model_sync_steps`` updates the reference moves toward the
+policy, ``ref = alpha * params + (1 - alpha) * ref``. It lives in ``PolicyState.ref_params``, so it is part
+of every checkpoint and a resumed run continues with the same reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mrl_jax import models
+from mrl_jax.configs import ConfigError
+
+
+def initial_reference(spec, params) -> Optional[Any]:
+    """Reference params of a policy spec (``PolicySpec``) given its starting params; None when beta = 0."""
+    if spec.grpo.beta == 0.0 or spec.lora.rank:  # LoRA: the base with adapters off, scored in the update (no copy)
+        return None
+    path = spec.ref_model.path
+    if path is None:
+        return jax.tree.map(jnp.copy, params)
+    key = f"policies.{spec.name}.ref_model.path"
+    try:
+        ref = nnx.split(models.from_pretrained(path, dtype=spec.model.dtype, param_dtype=spec.model.dtype))[1]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key '{key}': {e}") from e
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), ref)
+    if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
+        raise ConfigError(f"config key '{key}': {path} does not have the policy's architecture and shapes; the "
+                          "reference must be a checkpoint of the same model (e.g. the policy's own base).")
+    return ref
+
+
+@jax.jit
+def mix(params, ref, alpha):
+    """TRL's reference sync: alpha * params + (1 - alpha) * ref, leaf-wise in the ref's dtype."""
+    return jax.tree.map(lambda p, r: (alpha * p.astype(jnp.float32) + (1 - alpha) * r.astype(jnp.float32))
+                        .astype(r.dtype), params, ref)
+
+
+def maybe_sync(spec, params, ref, step: int):
+    """``ref`` after update number ``step`` (1-based, counted over the run): synced when TRL would."""
+    r = spec.ref_model
+    if ref is None or not r.sync_ref_model or step % r.ref_model_sync_steps:
+        return ref
+    return mix(params, ref, jnp.float32(r.ref_model_mixup_alpha))

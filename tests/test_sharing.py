@@ -1,0 +1,188 @@
+"""Faithful sharing through the path a researcher runs (issue "faithful sharing"): the KL reference, the
+peers' samples with their multiplicity, cut texts, probe options from the run, run-config errors.
+
+Each test goes through ``Run`` + ``run_round`` (the trainer's round) on the tiny two-policy config.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import soak  # noqa: E402
+from mrl_jax import grpo  # noqa: E402
+from mrl_jax.configs import ConfigError  # noqa: E402
+from mrl_jax.learner import rows_logp  # noqa: E402
+from mrl_jax.tasks import RewardScorer  # noqa: E402
+from mrl_jax.trainer import Run, run_round  # noqa: E402
+from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
+from mrl_jax.trainer.loop import text_budget  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache():
+    restore = soak.enable_compile_cache()
+    yield
+    restore()
+
+
+def _run(**overrides):
+    return Run(soak.to_run_config(soak.tiny_config(**overrides)))
+
+
+class _Recorder:
+    """Wraps each policy's update to keep the (params, batch) it was called with, round by round."""
+
+    def __init__(self, run):
+        self.calls = {p.name: [] for p in run.policies}
+        self.policies = []
+        for pol in run.policies:
+            def rec(params, opt_state, batch, view, key, _pol=pol):
+                self.calls[_pol.name].append((jax.tree.map(jnp.copy, params), batch, view))
+                return _pol.update(params, opt_state, batch, view, key)
+            self.policies.append(pol.__class__(**{**pol.__dict__, "update": rec}))
+
+
+def _rounds(run, n, policies=None):
+    state, out = run.state, []
+    # digit_reward (the soak's signal reward): rewards vary from round 0, so the policy moves
+    with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
+        for r in range(n):
+            prompts, dense = run.round_prompts(r)
+            state, metrics, _ = run_round(policies or run.policies, state, prompts, dense, scorer=scorer,
+                                          key=run.round_key(r), round_index=r,
+                                          num_generations=run.cfg.num_generations, view_shape=run.view_shape)
+            out.append(metrics)
+    return state, out
+
+
+# ----------------------------------------------------------------------------- the KL reference
+
+def test_kl_reference_is_the_starting_policy_and_k3_matches_by_hand():
+    run = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+                  "policies.0.optimizer": {"learning_rate": 0.05}})
+    pol, st = run.policies[0], run.state.policies[0]
+    assert run.state.policies[1].ref_params is None                      # beta = 0: no reference held
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), st.ref_params, st.params)
+    rec = _Recorder(run)
+    state, metrics = _rounds(run, 2, rec.policies)
+    assert abs(metrics[0][pol.name]["kl"]) < 1e-6                       # round 0: policy == reference
+    # round 1: k3 of the params the update saw against the starting params, over own completion tokens
+    params1, batch, _ = rec.calls[pol.name][1]
+    model = lambda p: nnx.merge(pol.graphdef, p)
+    prompt = jnp.repeat(batch.prompt_ids, run.cfg.num_generations, 0)
+    pmask = jnp.repeat(batch.prompt_mask, run.cfg.num_generations, 0)
+    lp = rows_logp(model(params1), prompt, pmask, batch.completion_ids, batch.completion_mask)[0]
+    ref = rows_logp(model(st.ref_params), prompt, pmask, batch.completion_ids, batch.completion_mask)[0]
+    m = np.asarray(batch.completion_mask)
+    d = np.asarray(ref, np.float64) - np.asarray(lp, np.float64)
+    k3 = float(np.sum((np.exp(d) - d - 1) * m) / m.sum())
+    assert k3 > 1e-5                                                     # the policy has moved
+    np.testing.assert_allclose(metrics[1][pol.name]["kl"], k3, rtol=2e-3, atol=1e-7)
+    # the reference stays frozen (sync off) and is not the trained params
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 state.policies[0].ref_params, st.ref_params)
+
+
+def test_reference_sync_mixes_toward_the_policy():
+    run = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+                  "policies.0.ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 2,
+                                           "ref_model_mixup_alpha": 0.25}})
+    ref0 = jax.tree.map(np.asarray, run.state.policies[0].ref_params)
+    s1, _ = _rounds(run, 1)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, s1.policies[0].ref_params), ref0)  # step 1
+    run2 = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+                   "policies.0.ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 2,
+                                            "ref_model_mixup_alpha": 0.25}})
+    s2, _ = _rounds(run2, 2)                                             # step 2: synced once
+    expect = jax.tree.map(lambda p, r: 0.25 * np.asarray(p) + 0.75 * r, s2.policies[0].params, ref0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7),
+                 s2.policies[0].ref_params, expect)
+
+
+def test_reference_is_checkpointed(tmp_path):
+    run = _run(**{"policies.0.grpo": {"beta": 0.04}})
+    state, _ = _rounds(run, 1)
+    ck = RunCheckpointer(tmp_path)
+    ck.save(0, state, {"round": 0})
+    restored, _ = ck.restore(_run(**{"policies.0.grpo": {"beta": 0.04}}).state)
+    ck.close()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored.policies[0].ref_params, state.policies[0].ref_params)
+
+
+# ----------------------------------------------------------------------------- peers' samples, with multiplicity
+
+def test_greedy_peer_fills_every_prp_slot_every_round():
+    """A greedy peer repeats one completion G times per prompt; the consumer's PRP gets
+    peer_rollouts_per_prompt rows of it per prompt in every round (de-duplication left 1, then 0)."""
+    k = 4
+    run = _run(**{"policies.0.probes": "prp", "policies.1.probes": "none",
+                  "policies.1.sampling": {"max_new_tokens": 6, "top_k": 1}, "see.peer_rollouts_per_prompt": k})
+    rec = _Recorder(run)
+    _, metrics = _rounds(run, 2, rec.policies)
+    P = run.cfg.prompts_per_round
+    for r in range(2):
+        view = rec.calls[run.policies[0].name][r][2]
+        kinds = np.asarray(view.kind).reshape(P, -1)[:, :k]
+        assert (kinds == 1).all(), r                                     # every rollout slot holds a PEER sample
+        n_ok = int(np.sum(~np.asarray(view.truncated).reshape(P, -1)[:, :k]))
+        assert metrics[r][run.policies[0].name]["prp/rows"] == n_ok      # PRP trains each (non-truncated) sample
+
+
+# ----------------------------------------------------------------------------- run-config errors
+
+@pytest.mark.parametrize("override,key", [
+    ({"policies.0.probes": "none|sgt"}, "probes"),
+    ({"policies.0.probes": "sgt:tau=0.5"}, "policies.0.probes"),
+    ({"policies.0.probes": "xgrpo:scale=none"}, "policies.0.probes"),
+    ({"policies.0.ref_model": {"path": "/nowhere"}}, "ref_model.path"),
+])
+def test_run_config_rejects_contradictions(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        soak.to_run_config(soak.tiny_config(**override))
+
+
+def test_probe_options_agreeing_with_the_run_are_accepted():
+    soak.to_run_config(soak.tiny_config(**{"policies.0.probes": "sgt:tau=1.0", "policies.1.probes": "xgrpo:scale=group"}))
+
+
+def test_text_budget_fits_the_longest_tokens():
+    run = _run()
+    need = max(int(p.tokenizer.byte_table.lengths.max()) * p.completion_length for p in run.policies)
+    assert run.state.see.rollouts.text.shape[1] == need == text_budget(0, run.policies)
+    with pytest.raises(ConfigError, match=r"see\.max_text_bytes.*>= %d" % need):
+        text_budget(need - 1, run.policies)
+
+
+def test_xgrpo_follows_the_runs_scale_rewards():
+    """Under scale_rewards none, XGRPO with no peer data is GRPO (before: its own scale='group' differed)."""
+    from mrl_jax import probes, see
+    from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn
+    from mrl_jax.models import tiny_model
+
+    model = tiny_model("llama", 40, seed=0, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    gd, params = nnx.split(model)
+    P, G, T = 2, 4, 3
+    rng = np.random.default_rng(0)
+    batch = Batch(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 2)), jnp.int32), prompt_mask=jnp.ones((P, 2), bool),
+                  completion_ids=jnp.asarray(rng.integers(1, 40, (P * G, T)), jnp.int32),
+                  completion_mask=jnp.ones((P * G, T)), old_logp=jnp.zeros((P * G, T)) - 3.0,
+                  ref_logp=jnp.zeros((P * G, T)), rewards=jnp.asarray([1, 0, 0, 1, 0.5, 0, 0, 0], jnp.float32),
+                  truncated=jnp.zeros((P * G,), bool))
+    view = see.empty_view(P, 1, T, T, 2)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=T, scale_rewards="none")
+    g0 = make_grad_fn(gd, "none", cfg)(params, batch, view, jax.random.key(0))[1]
+    g1 = make_grad_fn(gd, "xgrpo", cfg)(params, batch, view, jax.random.key(0))[1]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        make_grad_fn(gd, probes.xgrpo(scale="group"), cfg)(params, batch, view, jax.random.key(0))
+    assert grpo.SCALES  # the scales the run may name
