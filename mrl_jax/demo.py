@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mrl_jax.progress import Progress, round_figures
 from mrl_jax.tasks import FactTableTask, MixtureTask, RewardScorer, StringTask, task_reward
 from mrl_jax.trainer.config import ModelSpec, OptimizerSpec, PolicySpec, RunConfig, SamplingSpec, SeeSpec, TokenizerSpec
 from mrl_jax.trainer.evaluation import evaluate_policy
@@ -45,6 +46,7 @@ class DemoSettings:
     num_facts: int = 32
     learning_rate: float = 1e-3
     eval_copy_prompts: int = 64
+    eval_every: int = 5   # held-out greedy eval every this many RL rounds (success.png); 0 = start and end only
 
     @classmethod
     def make(cls, quick: bool, seeds: int | None) -> "DemoSettings":
@@ -93,13 +95,17 @@ def _warm_params(run: Run, seed: int, s: DemoSettings) -> list:
     return params
 
 
-def _rl(run: Run, params: Sequence, seed: int, s: DemoSettings, scorer) -> tuple[RunState, list[dict]]:
-    """The RL budget from the warm-started params; returns the final state and per-round metrics."""
+def _rl(run: Run, params: Sequence, seed: int, s: DemoSettings, scorer, *, eval_sets: dict | None = None,
+        bar: Progress | None = None, label: str = "") -> tuple[RunState, list[dict], list[tuple]]:
+    """The RL budget from the warm-started params; returns the final state, per-round metrics and the held-out
+    evaluations every ``s.eval_every`` rounds before the last, ``[(rounds done, {policy: {skill: f}}, seconds)]``."""
     state = RunState(policies=tuple(PolicyState(params=jax.tree.map(lambda x: x.copy(), p),
                                                 opt_state=pol.optimizer.init(p))
                                     for pol, p in zip(run.policies, params)), see=run.state.see)
-    history = []
+    history, evals = [], []
     for r in range(s.rounds):
+        if bar is not None:
+            bar.start(f"{r} {label}", compile=r == 0 and seed == 0)   # a probe's first round compiles its update
         rng = np.random.default_rng([seed, r])
         prompts = run.task.sample_train(s.prompts_per_round, rng)
         dense = np.asarray([run.dense[p.id] for p in prompts], np.int32)
@@ -107,11 +113,26 @@ def _rl(run: Run, params: Sequence, seed: int, s: DemoSettings, scorer) -> tuple
         state, metrics, _ = run_round(run.policies, state, prompts, dense, scorer=scorer, key=key, round_index=r,
                                       num_generations=s.num_generations, view_shape=run.view_shape)
         history.append(metrics)
-    return state, history
+        if eval_sets is not None and s.eval_every and (r + 1) % s.eval_every == 0 and r + 1 < s.rounds:
+            t0 = time.perf_counter()
+            evals.append((r + 1, _evaluate(run, state, eval_sets), time.perf_counter() - t0))
+        if bar is not None:
+            bar.done(round_figures(metrics))
+    return state, history, evals
 
 
 def _stats(values: list[float]) -> dict:
     return {"mean": float(np.mean(values)), "std": float(np.std(values)), "values": [float(v) for v in values]}
+
+
+def _success_curve(curves: list[list[tuple]], name: str) -> dict:
+    """Held-out success of one policy over rounds: ``{"rounds": [..], skill: {"mean": [..], "std": [..]}}``
+    from each seed's ``[(rounds done, {policy: {skill: f}}), ...]`` (warm start = round 0, final included)."""
+    out = {"rounds": [int(point[0]) for point in curves[0]]}
+    for c in ("own_facts", "foreign_facts", "copy"):
+        vals = np.asarray([[point[1][name][c] for point in curve] for curve in curves], np.float64)
+        out[c] = {"mean": vals.mean(0).tolist(), "std": vals.std(0).tolist()}
+    return out
 
 
 def _summarise(results: dict, names: list[str]) -> dict:
@@ -128,7 +149,8 @@ def _summarise(results: dict, names: list[str]) -> dict:
                 if vals:
                     counters[c] = float(np.mean(vals))
             curve = np.mean([[h[name]["reward/mean"] for h in r["history"]] for r in per_seed], axis=0)
-            entry[name] = {**cols, "counters": counters, "reward_curve": [float(x) for x in curve]}
+            entry[name] = {**cols, "counters": counters, "reward_curve": [float(x) for x in curve],
+                           "success_curve": _success_curve([r["curve"] for r in per_seed], name)}
         probes[probe] = entry
     return probes
 
@@ -164,7 +186,55 @@ def _verdict(summary: dict, names: list[str]) -> list[str]:
     return out
 
 
+SKILLS = (("own_facts", "own facts"), ("foreign_facts", "foreign facts"), ("copy", "copy (shared skill)"))
+
+
+def _eval_cost(results: dict, s: DemoSettings, wall_s: float) -> dict:
+    """What the held-out evaluations between the start and the end (for success.png) cost."""
+    seconds = float(sum(r["eval_s"] for per_seed in results.values() for r in per_seed))
+    count = sum(len(r["curve"]) - 2 for per_seed in results.values() for r in per_seed)
+    share = seconds / wall_s if wall_s > 0 else 0.0
+    note = (f"Periodic held-out evaluation (every {s.eval_every} rounds, for success.png): {count} evaluations, "
+            f"{seconds:.1f} s ({100 * share:.1f} % of the wall time).")
+    return {"every": s.eval_every, "evaluations": count, "seconds": round(seconds, 2), "share_of_wall": share,
+            "note": note}
+
+
+def _plot_success(summary: dict, names: list[str], path: Path) -> None:
+    """The main figure: held-out greedy success per skill (rows) over rounds for every probe, mean over seeds
+    with a ±1 std band, one column per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = summary["settings"]["seeds"]
+    fig, axes = plt.subplots(len(SKILLS), len(names), figsize=(5 * len(names), 2.8 * len(SKILLS)), squeeze=False,
+                             sharex=True, sharey=True)
+    for col, n in enumerate(names):
+        for row, (skill, title) in enumerate(SKILLS):
+            ax = axes[row, col]
+            for probe, entry in summary["probes"].items():
+                sc = entry[n]["success_curve"]
+                mean, std = np.asarray(sc[skill]["mean"]), np.asarray(sc[skill]["std"])
+                (line,) = ax.plot(sc["rounds"], mean, marker=".", label=probe)
+                ax.fill_between(sc["rounds"], np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1),
+                                color=line.get_color(), alpha=0.15, linewidth=0)
+            ax.set_title(f"{n}: {title}", fontsize=10)
+            ax.set_ylim(-0.03, 1.03)
+            if row == len(SKILLS) - 1:
+                ax.set_xlabel("RL round (0 = warm start)")
+            if col == 0:
+                ax.set_ylabel("held-out greedy success")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"held-out greedy success per skill, mean ± std over {seeds} seed(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _plot(summary: dict, names: list[str], path: Path) -> None:
+    """The second figure: mean training reward per round (sampled, temperature 1) for every probe."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,7 +255,8 @@ def _plot(summary: dict, names: list[str], path: Path) -> None:
 
 def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None = None,
              probes: Sequence[str] | None = None, settings: DemoSettings | None = None) -> dict:
-    """Run the demo; writes summary.json, summary.md and curves.png in ``out_dir`` and returns the summary.
+    """Run the demo; writes summary.json, summary.md, success.png (held-out success per skill over rounds) and
+    curves.png (training reward) in ``out_dir`` and returns the summary.
     ``settings`` overrides the budget chosen by ``quick`` / ``num_seeds`` entirely."""
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -202,6 +273,7 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
                  "copy": [p for p in task.eval_prompts() if p.task == "copy"][:s.eval_copy_prompts]}
     results = {p: [] for p in probes}
     warm_eval = []
+    bar = Progress(s.seeds * len(probes) * s.rounds, title="demo")
     with RewardScorer([task_reward(task)]) as scorer:
         for seed in range(s.seeds):
             params = _warm_params(first, seed, s)
@@ -210,8 +282,12 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
             warm_eval.append(_evaluate(first, warm_state, eval_sets))
             print(f"[demo] seed {seed} warm start: {warm_eval[-1]}", flush=True)
             for probe in probes:
-                state, history = _rl(runs[probe], params, seed, s, scorer)
-                results[probe].append({"eval": _evaluate(runs[probe], state, eval_sets), "history": history})
+                state, history, evals = _rl(runs[probe], params, seed, s, scorer, eval_sets=eval_sets, bar=bar,
+                                            label=f"({probe}, seed {seed})")
+                final = _evaluate(runs[probe], state, eval_sets)
+                curve = [(0, warm_eval[-1])] + [(r, e) for r, e, _ in evals] + [(s.rounds, final)]
+                results[probe].append({"eval": final, "history": history, "curve": curve,
+                                       "eval_s": sum(t for _, _, t in evals)})
                 print(f"[demo] seed {seed} {probe}: {results[probe][-1]['eval']}", flush=True)
     summary = {"settings": dataclasses.asdict(s), "policies": {
         pol.name: {"family": pol.spec.model.family, "tokenizer": pol.tokenizer.name,
@@ -225,6 +301,8 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
         for k in ("rollout", "decode", "rewards", "see", "thl", "update")}
     summary["verdict"] = _verdict(summary, names)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    bar.close()
+    summary["periodic_eval"] = _eval_cost(results, s, summary["wall_s"])
     md = ["# mrl demo", "", f"Held-out greedy success after {s.rounds} RL rounds ({s.prompts_per_round} prompts × "
           f"{s.num_generations} samples), mean ± std over {s.seeds} seed(s). own/foreign = the fact-table part the "
           "policy was / was not warm-started on; copy = shared skill (held-out prompts).", "",
@@ -233,8 +311,11 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
               f"{summary['warm_start'][n]['foreign_facts']['mean']:.2f}, copy {summary['warm_start'][n]['copy']['mean']:.2f}"
               for n in names), "", "## What happened", ""] + [f"- {v}" for v in summary["verdict"]] + [
           "", f"Round time split (s, mean): {json.dumps({k: round(v, 4) for k, v in summary['round_time_split_s'].items()})}",
-          f"Wall time: {summary['wall_s']} s."]
+          f"Wall time: {summary['wall_s']} s. {summary['periodic_eval']['note']}", "",
+          "![held-out success per skill over rounds](success.png)", "",
+          "![training reward per round](curves.png)"]
     (out / "summary.md").write_text("\n".join(md) + "\n")
+    _plot_success(summary, names, out / "success.png")
     _plot(summary, names, out / "curves.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n".join(md))

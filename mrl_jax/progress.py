@@ -5,7 +5,8 @@ step). Elsewhere (CI, a log file): plain lines, at most one per step and at most
 ``min_interval`` seconds (the first, the last and compile steps are always printed). A step that compiles
 is labelled so a slow first round does not look like a hang: before it runs when the caller knows
 (``start(..., compile=True)``: round 0, first round of a new shape), and after it ran from JAX's own
-compile-time events (``jax.monitoring``). The ETA leaves compile steps out.
+compile-time events (``jax.monitoring``). The ETA leaves compile steps out (the time between steps —
+evaluations, checkpoints — is in it).
 
     bar = Progress(total=40, title="train")
     bar.start("round 0", compile=True); ...; bar.done(round_figures(metrics))
@@ -87,6 +88,7 @@ class Progress:
         self.live = bool(enabled and (live if live is not None else getattr(self.stream, "isatty", lambda: False)()))
         self.completed = 0
         self.durations: list[float] = []     # seconds of the steps that did not compile
+        self._compile_steps_s = 0.0          # seconds of the steps that did
         self._t0 = time.perf_counter()
         self._step_t0 = self._t0
         self._step_compile0 = compile_seconds() if enabled else 0.0
@@ -108,11 +110,13 @@ class Progress:
         self._rich.start()
         self._task = self._rich.add_task(self.title, total=self.total, eta="?", figures="")
 
-    def eta_seconds(self) -> float:
-        """Remaining steps × the mean duration of the steps that did not compile (nan before the first)."""
+    def eta_seconds(self, now: float | None = None) -> float:
+        """Remaining steps × the wall time per step that did not compile — elapsed time less the compile
+        steps, so the work between steps (evaluation, checkpoints, warm starts) counts; nan before one."""
         if not self.durations or self.total is None:
             return math.nan
-        return max(self.total - self.completed, 0) * sum(self.durations) / len(self.durations)
+        elapsed = (time.perf_counter() if now is None else now) - self._t0 - self._compile_steps_s
+        return max(self.total - self.completed, 0) * max(elapsed, 0.0) / len(self.durations)
 
     def start(self, label: str, *, compile: bool = False) -> None:
         """A step begins; ``compile``: it will compile (first round of a shape) — said on the live line."""
@@ -135,10 +139,12 @@ class Progress:
         compiled = compile_seconds() - self._step_compile0
         step_s = now - self._step_t0
         is_compile = self._compile_expected or compiled > 0.5 * max(step_s, 1e-9)
-        if not is_compile:
+        if is_compile:
+            self._compile_steps_s += step_s
+        else:
             self.durations.append(step_s)
         tag = f" (compile {compiled:.1f}s)" if is_compile else ""
-        eta = _clock(self.eta_seconds())
+        eta = _clock(self.eta_seconds(now))
         if self._rich is not None:
             self._rich.update(self._task, completed=self.completed, eta=eta,
                               description=f"{self.title} {self.unit} {label}{tag}", figures=figures)

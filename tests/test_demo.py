@@ -6,9 +6,9 @@ from mrl_jax.demo import DemoSettings, _verdict, run_demo
 
 def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     s = DemoSettings(seeds=1, rounds=2, prompts_per_round=8, num_generations=4, sft_steps=3, num_facts=8,
-                     eval_copy_prompts=8)
+                     eval_copy_prompts=8, eval_every=1)
     summary = run_demo(tmp_path, probes=["none", "sgt"], settings=s)
-    for name in ("summary.json", "summary.md", "curves.png"):
+    for name in ("summary.json", "summary.md", "curves.png", "success.png"):
         assert (tmp_path / name).stat().st_size > 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert set(on_disk["probes"]) == {"none", "sgt"}
@@ -18,6 +18,12 @@ def test_demo_tiny_budget_writes_every_artefact(tmp_path):
             for col in ("own_facts", "foreign_facts", "copy"):
                 assert 0.0 <= pol[col]["mean"] <= 1.0 and len(pol[col]["values"]) == 1
             assert len(pol["reward_curve"]) == 2
+            sc = pol["success_curve"]  # warm start, the eval after round 1, the final eval
+            assert sc["rounds"] == [0, 1, 2] and len(sc["foreign_facts"]["mean"]) == 3
+            assert sc["own_facts"]["mean"][-1] == pol["own_facts"]["mean"]
+    assert (on_disk["probes"]["none"]["llama-bpe"]["success_curve"]["copy"]["mean"][0]
+            == on_disk["warm_start"]["llama-bpe"]["copy"]["mean"])
+    assert on_disk["periodic_eval"]["evaluations"] == 2 and on_disk["periodic_eval"]["seconds"] > 0
     # the mechanism counters come from the probes that produce them, and only from those
     assert "sgt/rows_fired" in on_disk["probes"]["sgt"]["llama-bpe"]["counters"]
     assert "sgt/rows_fired" not in on_disk["probes"]["none"]["llama-bpe"]["counters"]
