@@ -42,8 +42,12 @@ def _read_json(path: Path) -> dict:
 
 
 def tokenizer_folder(tokenizer: Tokenizer) -> Path | None:
-    """The directory the tokenizer was loaded from (None for a locally trained one)."""
-    return Path(tokenizer.source).parent if tokenizer.source else None
+    """The directory the tokenizer was loaded from: the parent of its ``tokenizer.json`` (or of a file with a
+    ``tokenizer_config.json`` beside it); None for a locally trained one (its source is a cache file)."""
+    if not tokenizer.source:
+        return None
+    src = Path(tokenizer.source)
+    return src.parent if src.name == "tokenizer.json" or (src.parent / "tokenizer_config.json").is_file() else None
 
 
 def read_chat_template(folder: str | Path) -> str:

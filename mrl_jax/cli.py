@@ -53,9 +53,27 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     train.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
 
-    ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint")
-    ev.add_argument("--config", required=True, type=Path, help="the run's YAML config")
+    ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint, or of an "
+                        "exported model directory (--model)")
+    ev.add_argument("--config", required=True, type=Path, help="the run's YAML config (or its config.json)")
     ev.add_argument("--run", type=Path, default=None, help="the run directory holding checkpoints/ (default: --out)")
+    ev.add_argument("--model", type=Path, default=None,
+                    help="evaluate this directory of `mrl export` (HF or PEFT adapter) instead of a run's checkpoint")
+    ev.add_argument("--policy", default=None,
+                    help="with --model: the config policy whose prompt format and sampling to use (default: the only one)")
+
+    ex = sub.add_parser("export", help="a run's trained policy as a Hugging Face (or PEFT adapter) directory",
+                        description="Write policy NAME of run RUN at checkpoint ROUND (default: latest) into --out: "
+                        "config.json + model.safetensors + tokenizer files + generation_config.json, which "
+                        "transformers loads with the same logits; for a LoRA policy a PEFT adapter directory "
+                        "(adapter_config.json + adapter_model.safetensors), or the merged model with --merge-lora. "
+                        "The run directory is only read.")
+    ex.add_argument("--run", required=True, type=Path, help="the run directory (--out of `mrl train`)")
+    ex.add_argument("--policy", required=True, help="name of the policy to export (policies[i].name)")
+    ex.add_argument("--out", required=True, type=Path, help="directory to write (must be empty unless --force)")
+    ex.add_argument("--checkpoint", type=int, default=None, help="round of the checkpoint (default: the latest)")
+    ex.add_argument("--merge-lora", action="store_true", help="LoRA policy: write base + adapters merged")
+    ex.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     _add_out(ev)
 
     bandit = sub.add_parser("bandit", help="the contextual-bandit analysis (stability-support plane)",
@@ -113,7 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "eval":
             from mrl_jax.trainer import evaluate_from_yaml
 
-            summary = evaluate_from_yaml(args.config, args.run or args.out)
+            if args.model is not None:
+                from mrl_jax.export import evaluate_exported
+
+                summary = evaluate_exported(args.config, args.model, args.policy)
+            else:
+                summary = evaluate_from_yaml(args.config, args.run or args.out)
+        elif args.verb == "export":
+            from mrl_jax.export import export_policy
+
+            summary = export_policy(args.run, args.policy, args.out, checkpoint=args.checkpoint,
+                                    merge_lora=args.merge_lora, force=args.force)
+            print(json.dumps(summary, indent=2))  # no summary.json: --out is the model directory
+            return 0
         elif args.verb == "bandit":
             from mrl_jax.bandit import run as run_bandit
 
@@ -141,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mrl {args.verb}: config error: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, ModelFileError, FileNotFoundError) as e:
+        print(f"mrl {args.verb}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # mrl_jax.export.ExportError, models.lora.LoRAError: one line naming path/key + fix
+        if type(e).__name__ not in ("ExportError", "LoRAError"):
+            raise
         print(f"mrl {args.verb}: {e}", file=sys.stderr)
         return 2
     except (TrainingStopped, RewardFailure) as e:

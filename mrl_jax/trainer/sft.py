@@ -49,10 +49,23 @@ def uniform_draw(examples: Sequence[tuple[str, str]]) -> Draw:
     return lambda n, rng: [examples[i] for i in rng.integers(0, len(examples), size=n)]
 
 
+def _frozen_base(optimizer, params):
+    """A LoRA policy's params (``nnx.LoRAParam`` leaves present): only the adapters move."""
+    if not jax.tree.leaves(nnx.split_state(params, nnx.LoRAParam, ...)[0]):
+        return optimizer
+    labels = jax.tree.map(lambda _: "frozen", params)
+    for path, _ in nnx.to_flat_state(nnx.split_state(params, nnx.LoRAParam, ...)[0]):
+        node = labels
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = "train"
+    return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
 def warm_start(graphdef, params, tokenizer: Tokenizer, template: str, draw: Draw, *, steps: int, batch_size: int,
                learning_rate: float, completion_length: int, seed: int):
     """Run ``steps`` SFT steps on batches ``draw(batch_size, rng)`` (seeded); returns (params, losses)."""
-    optimizer = optax.adamw(learning_rate)
+    optimizer = _frozen_base(optax.adamw(learning_rate), params)
     opt_state = optimizer.init(params)
     step = make_sft_step(graphdef, optimizer)
     rng = np.random.default_rng(seed)

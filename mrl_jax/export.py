@@ -1,0 +1,225 @@
+"""Trained models out of a run directory: ``mrl export`` and ``mrl eval --model``.
+
+    export_policy("runs/r1", "llama_bpe", "out/llama")              # a Hugging Face directory
+    export_policy("runs/r1", "qwen_lora", "out/qwen")               # LoRA policy: a PEFT adapter directory
+    export_policy("runs/r1", "qwen_lora", "out/qwen", merge_lora=True)   # LoRA merged: a full checkpoint
+
+The run's ``config.json`` (written by ``mrl train``) rebuilds the run's state template, the checkpoint of the
+chosen round (default: the latest complete one) is restored into it, and the policy's params are written with
+``mrl_jax.models.save_pretrained`` (config.json + model.safetensors; ``transformers`` loads them with the same
+logits) next to its tokenizer files (tokenizer.json, tokenizer_config.json with any chat template,
+special_tokens_map.json, copied; or written for a locally trained tokenizer) and a ``generation_config.json``
+whose ``eos_token_id`` is the policy's stop set. ``mrl_export.json`` records where it came from. The run
+directory is only read. Every refusal is one ``ExportError`` line naming the key or path and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from flax import nnx
+
+from mrl_jax import models
+from mrl_jax.chat import tokenizer_folder
+from mrl_jax.configs import ConfigError, from_dict, load_yaml
+from mrl_jax.models import lora as lora_lib
+
+__all__ = ["ExportError", "evaluate_exported", "export_policy"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+PROVENANCE = "mrl_export.json"
+
+
+class ExportError(ValueError):
+    """An export (or an evaluation of an exported directory) was refused; the message names path/key and fix."""
+
+
+def _run_config(run_dir: Path):
+    from mrl_jax.trainer.config import RunConfig
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{path}: missing; --run must be a run directory written by `mrl train` (it holds "
+                          "config.json and checkpoints/)")
+    try:
+        return from_dict(RunConfig, json.loads(path.read_text()))
+    except (ValueError, ConfigError) as e:
+        msg = " ".join(str(e).split())
+        raise ExportError(f"{path}: not the config.json of an `mrl train` run ({msg}); pass --run the --out "
+                          "directory of `mrl train`") from e
+
+
+def _policy_index(cfg, name: str, where: Path, flag: str = "--policy") -> int:
+    names = [p.name for p in cfg.policies]
+    if name not in names:
+        raise ExportError(f"{flag} {name!r}: {where} has no policy of that name; choose one of {names}")
+    return names.index(name)
+
+
+def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    o, r = out.resolve(), run_dir.resolve()
+    if o == r or r in o.parents and (r / "checkpoints") in (o, *o.parents) or o in r.parents:
+        raise ExportError(f"--out {out}: overlaps the run directory {run_dir} (export never writes into the run's "
+                          "own files); choose a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out}: directory is not empty; pass --force to replace its contents, or choose "
+                          "an empty or new directory")
+
+
+def _complete_rounds(run_dir: Path) -> list[int]:
+    ck = run_dir / "checkpoints"
+    rounds = sorted(int(p.name) for p in ck.iterdir() if p.is_dir() and p.name.isdigit()) if ck.is_dir() else []
+    if not rounds:
+        raise ExportError(f"{ck}: no complete checkpoint; export needs a run that saved at least one round "
+                          "(checkpoint_every)")
+    return rounds
+
+
+def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
+    """(Policy, PolicyState, round) of policy ``index`` at ``checkpoint`` (default: latest)."""
+    from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
+    from mrl_jax.trainer.loop import Run
+
+    rounds = _complete_rounds(run_dir)
+    step = rounds[-1] if checkpoint is None else int(checkpoint)
+    if step not in rounds:
+        raise ExportError(f"--checkpoint {step}: {run_dir / 'checkpoints'} has no complete checkpoint of that round; "
+                          f"complete rounds: {rounds}")
+    run = Run(cfg, warm=False)
+    ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
+    try:
+        state, meta = ckpt.restore(run.state, step)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
+    finally:
+        ckpt.close()
+    return run.policies[index], state.policies[index], int(meta.get("round", step))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def write_tokenizer_files(policy, out: Path) -> list[str]:
+    """Copy the policy's tokenizer files (or save a locally trained tokenizer) and write generation_config.json
+    with the stop set as ``eos_token_id``; returns the file names written."""
+    tok = policy.tokenizer
+    folder = tokenizer_folder(tok)
+    written = []
+    if folder is None:
+        tok.save(out)
+        written += ["tokenizer.json", "tokenizer_config.json"]
+    else:
+        shutil.copyfile(tok.source, out / "tokenizer.json")
+        written.append("tokenizer.json")
+        for name in TOKENIZER_FILES[1:]:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+                written.append(name)
+    model_dir = Path(policy.spec.model.path) if policy.spec.model.path else None
+    gen = _read_json(model_dir / "generation_config.json") if model_dir else {}
+    gen = gen or (_read_json(folder / "generation_config.json") if folder else {})
+    stops = list(policy.sampling.eos_ids)
+    if stops:
+        gen["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    for key, value in (("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
+        if value is not None:
+            gen.setdefault(key, int(value))
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return written + ["generation_config.json"]
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.is_dir() and force:
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_policy(run_dir, policy: str, out_dir, *, checkpoint: int | None = None, merge_lora: bool = False,
+                  force: bool = False) -> dict:
+    """Write policy ``policy`` of run ``run_dir`` at round ``checkpoint`` (default latest) into ``out_dir``:
+    a Hugging Face directory, or for a LoRA policy a PEFT adapter directory (``merge_lora``: the merged full
+    model). Returns a summary dict. Raises ``ExportError``; ``run_dir`` is never modified."""
+    run_dir, out = Path(run_dir), Path(out_dir)
+    cfg = _run_config(run_dir)
+    index = _policy_index(cfg, policy, run_dir / "config.json")
+    _check_out(out, run_dir, force)
+    _complete_rounds(run_dir)
+    if merge_lora and cfg.policies[index].lora.rank == 0:
+        raise ExportError(f"--merge-lora: policy {policy!r} has no LoRA adapters (lora.rank is 0); drop --merge-lora")
+    pol, ps, round_index = _restore(run_dir, cfg, index, checkpoint)
+    model = nnx.merge(pol.graphdef, ps.params)
+    _prepare_out(out, force)
+    if pol.spec.lora.rank and not merge_lora:
+        kind = "peft"
+        base = pol.spec.model.path
+        files = ["adapter_config.json", lora_lib.ADAPTER_FILE]
+        if base is None:  # a tiny random-init base exists nowhere else: write it next to the adapters
+            base = str((out / "base").resolve())
+            models.save_pretrained(lora_lib.base_model(model), out / "base")
+            files.append("base/")
+        lora_lib.save_adapters(model, out, base_model_name_or_path=str(Path(base).resolve()))
+    else:
+        kind = "hf"
+        if pol.spec.lora.rank:
+            model = lora_lib.merge(model)
+        models.save_pretrained(model, out)
+        files = ["config.json", models.checkpoint.SINGLE_FILE]
+    files += write_tokenizer_files(pol, out)
+    info = {"format": kind, "run": str(run_dir.resolve()), "policy": policy, "round": round_index,
+            "merged_lora": bool(merge_lora), "prompt_format": pol.spec.prompt_format,
+            "stop_ids": list(pol.sampling.eos_ids)}
+    (out / PROVENANCE).write_text(json.dumps(info, indent=2))
+    return dict(info, out=str(out), files=files + [PROVENANCE])
+
+
+def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict:
+    """``mrl eval --model DIR``: held-out success of an exported directory (HF or PEFT adapter) on the task of
+    ``config_path``, prompted and sampled as the config's policy ``policy`` (default: the only one)."""
+    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.loop import Run
+
+    cfg = load_yaml(RunConfig, config_path)
+    model_dir = Path(model_dir)
+    if policy is None:
+        if len(cfg.policies) != 1:
+            raise ExportError(f"--policy: {config_path} has policies {[p.name for p in cfg.policies]}; name the one "
+                              "whose prompt format and sampling the exported model uses")
+        policy = cfg.policies[0].name
+    spec = cfg.policies[_policy_index(cfg, policy, Path(config_path))]
+    adapter = lora_lib.read_adapter_config(model_dir) if (model_dir / "adapter_config.json").is_file() else None
+    if adapter is not None:
+        base = adapter.get("base_model_name_or_path")
+        if not base or not Path(base).is_dir():
+            raise ExportError(f"{model_dir / 'adapter_config.json'}: base_model_name_or_path {base!r} is not a local "
+                              "directory; set it to the base checkpoint folder (or export with --merge-lora)")
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=base),
+                                   lora=dataclasses.replace(
+                                       spec.lora, rank=adapter["r"], alpha=float(adapter["lora_alpha"]),
+                                       dropout=float(adapter.get("lora_dropout") or 0.0),
+                                       target_modules=lora_lib.targets_from_peft(adapter["target_modules"])))
+    elif not (model_dir / "config.json").is_file():
+        raise ExportError(f"{model_dir}: neither config.json nor adapter_config.json; pass a directory written by "
+                          "`mrl export`")
+    else:
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=str(model_dir)),
+                                   lora=dataclasses.replace(spec.lora, rank=0))
+    spec = dataclasses.replace(spec, tokenizer=dataclasses.replace(spec.tokenizer, path=str(model_dir)),
+                               warm_start=dataclasses.replace(spec.warm_start, steps=0))
+    run = Run(dataclasses.replace(cfg, policies=[spec]), warm=False)
+    state = run.state
+    if adapter is not None:
+        pol, ps = run.policies[0], state.policies[0]
+        model = nnx.merge(pol.graphdef, ps.params)
+        lora_lib.load_adapters(model, model_dir)
+        state = state.replace(policies=(ps.replace(params=nnx.state(model)),))
+    return {"model": str(model_dir), "policy": policy, "eval": run.evaluate(state, cfg.eval_prompts)}
