@@ -20,7 +20,9 @@ import time
 import numpy as np
 
 # Cases: "demo" = the embedded demo's regime (tiny policies, 16 prompts x 8 samples);
-# "medium" = an ~8M-parameter model where both sides are matmul-bound on CPU.
+# "medium" = an ~8M-parameter model where both sides are matmul-bound on CPU;
+# "*_g8" = GRPO's layout: batch = prompts x 8 samples (ours: num_samples=8, each prompt prefilled once;
+# transformers: num_return_sequences=8, which expands the prompts before its prefill).
 CASES = {
     "demo": dict(batch=128, prompt_len=32, new_tokens=64, hidden=96, layers=2, heads=4, kv_heads=2,
                  vocab=512, repeats=3),
@@ -28,10 +30,14 @@ CASES = {
                   vocab=512, repeats=2),
     "medium": dict(batch=16, prompt_len=64, new_tokens=128, hidden=256, layers=4, heads=8, kv_heads=4,
                    vocab=8192, repeats=2),
+    "demo_g8": dict(batch=128, samples=8, prompt_len=64, new_tokens=64, hidden=96, layers=2, heads=4,
+                    kv_heads=2, vocab=512, repeats=3),
+    "quick_g8": dict(batch=64, samples=8, prompt_len=32, new_tokens=32, hidden=64, layers=2, heads=4,
+                     kv_heads=2, vocab=512, repeats=2),
 }
 PLAN = {
-    True: [("llama", "quick")],
-    False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium")],
+    True: [("llama", "quick"), ("llama", "quick_g8")],
+    False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8")],
 }
 
 
@@ -61,8 +67,9 @@ def _hf_model(family: str, s: dict, seed: int = 0):
 
 
 def _prompts(s: dict, vocab: int, seed: int = 0):
+    """(ids int32[P, Tp], mask bool[P, Tp]) left-padded random prompts, P = batch // samples."""
     rng = np.random.default_rng(seed)
-    b, tp = s["batch"], s["prompt_len"]
+    b, tp = s["batch"] // s.get("samples", 1), s["prompt_len"]
     lens = rng.integers(tp // 2, tp + 1, size=b)
     lens[0] = tp
     ids = np.zeros((b, tp), np.int32)
@@ -71,6 +78,15 @@ def _prompts(s: dict, vocab: int, seed: int = 0):
         ids[i, tp - n:] = rng.integers(3, vocab, size=n)
         mask[i, tp - n:] = True
     return ids, mask
+
+
+def _has_num_samples(generate) -> bool:
+    import inspect
+
+    try:
+        return "num_samples" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _once(fn) -> float:
@@ -90,7 +106,7 @@ def bench_family(family: str, s: dict) -> dict:
 
     hf = _hf_model(family, s)
     ids, mask = _prompts(s, s["vocab"])
-    b, n = s["batch"], s["new_tokens"]
+    b, n, g = s["batch"], s["new_tokens"], s.get("samples", 1)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         ours = models.from_pretrained(tmp)
@@ -99,18 +115,25 @@ def bench_family(family: str, s: dict) -> dict:
     cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, eos_id=None, pad_id=0)
     key = [jax.random.key(0)]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
+    shared = g > 1 and _has_num_samples(generate)
+    extra = {"num_samples": g} if shared else {}
+    if g > 1 and not shared:  # an older mrl_jax (before/after figures): the prompts repeated G times
+        jids, jmask = jax.numpy.repeat(jids, g, 0), jax.numpy.repeat(jmask, g, 0)
 
     def ours_fn():
         key[0], k = jax.random.split(key[0])  # a fresh key per call
-        return jax.block_until_ready(generate(graphdef, params, jids, jmask, k, cfg))
+        out = jax.block_until_ready(generate(graphdef, params, jids, jmask, k, cfg, **extra))
+        assert out.tokens.shape == (b, n), out.tokens.shape
+        return out
 
     tids, tmask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
 
     def hf_fn():
         with torch.inference_mode():
             out = hf.generate(input_ids=tids, attention_mask=tmask, do_sample=True, max_new_tokens=n,
-                              min_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
-        assert out.shape[1] == ids.shape[1] + n, out.shape
+                              min_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+                              num_return_sequences=g)
+        assert out.shape == (b, ids.shape[1] + n), out.shape
         return out
 
     # Warm-up (our compile; torch's first-call allocations), then INTERLEAVED timed calls and the MIN
@@ -139,7 +162,8 @@ def bench_family(family: str, s: dict) -> dict:
     hf_tps = b * n / hf_s
     return {
         "family": family,
-        "batch": b, "prompt_len": s["prompt_len"], "new_tokens": n,
+        "batch": b, "samples_per_prompt": g, "prefill_once": shared, "prompt_len": s["prompt_len"],
+        "new_tokens": n,
         "model": {k: s[k] for k in ("hidden", "layers", "heads", "kv_heads", "vocab")},
         "params": int(sum(p.numel() for p in hf.parameters())),
         "ours_tokens_per_s": ours_tps,

@@ -175,8 +175,8 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int) -> dict:
         ids = hf_tok(text=[prompts[i] for i in sl])["input_ids"]  # host tokenization, as TRL does
         p_ids, p_mask = rollout.left_pad(ids, pad, length=tp)
         key, k_gen, k_upd = jax.random.split(key, 3)
-        roll = rollout.generate(graphdef, params, jnp.asarray(np.repeat(p_ids, G, 0)),
-                                jnp.asarray(np.repeat(p_mask, G, 0)), k_gen, scfg)
+        roll = rollout.generate(graphdef, params, jnp.asarray(p_ids), jnp.asarray(p_mask), k_gen, scfg,
+                                num_samples=G)  # each prompt prefilled once for its G samples
         tokens, mask = np.asarray(roll.tokens), np.asarray(roll.mask)
         t1 = time.perf_counter()
         texts = hf_tok.batch_decode([t[m].tolist() for t, m in zip(tokens, mask)], skip_special_tokens=True)

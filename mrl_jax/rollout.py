@@ -20,7 +20,7 @@ How it works (all on device, no host sync inside the loop):
   so that the decode step's attention matmuls read it in place (the stacked [L, B, S, K, D] layout made
   XLA copy-transpose every layer's whole cache at every step). It is a loop carry written with
   ``lax.dynamic_update_slice``, so XLA aliases the buffers across iterations.
-* the generated part grows in length buckets (:func:`gen_buckets`: 32, 64, ..., N - 1): one decode
+* the generated part grows in length buckets (:func:`gen_buckets`: 64, 128, ..., N - 1): one decode
   loop per bucket, each attending over its bucket only, not over ``max_new_tokens`` at every step.
 * the LM head is applied to the last prompt position only; each decode step runs one
   ``model.decode_step`` on ``[B, 1]`` per generated token, then samples.
@@ -102,6 +102,9 @@ class SamplingConfig:
         distribution actually sampled from) or "raw" (temperature 1, unfiltered). See module docstring.
       stop_early: with an eos_id, exit the decode loop as soon as every row has stopped
         (``lax.while_loop``). False: always run max_new_tokens steps (``lax.fori_loop``).
+      cache_bucket: the smallest length bucket of the generated part of the cache (:func:`gen_buckets`);
+        each further bucket doubles it and adds one decode loop to the compiled program (compile time),
+        so the default keeps generations of <= 65 tokens in one loop.
     """
 
     max_new_tokens: int
@@ -113,6 +116,7 @@ class SamplingConfig:
     pad_id: int = 0
     logprobs_of: str = "tempered"
     stop_early: bool = True
+    cache_bucket: int = 64
 
     def __post_init__(self):
         if isinstance(self.eos_id, (list, tuple, np.ndarray)):
@@ -132,6 +136,9 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.logprobs_of must be one of {_LOGPROBS_OF}, got {self.logprobs_of!r}")
         if self.pad_id is None:
             raise ValueError("SamplingConfig.pad_id must be an int (the tokenizer's pad id, or eos if none)")
+        if int(self.cache_bucket) < 1:
+            raise ValueError(f"SamplingConfig.cache_bucket must be >= 1, got {self.cache_bucket}")
+        object.__setattr__(self, "cache_bucket", int(self.cache_bucket))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "top_k", int(self.top_k))
         object.__setattr__(self, "pad_id", int(self.pad_id))
@@ -354,13 +361,10 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
 # --------------------------------------------------------------------------------------------------
 # The sampler
 # --------------------------------------------------------------------------------------------------
-GEN_BUCKET_MIN = 32  # smallest length bucket of the generated part of the cache (then doubling)
-
-
-def gen_buckets(max_new_tokens: int, smallest: int = GEN_BUCKET_MIN) -> tuple[int, ...]:
+def gen_buckets(max_new_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     """Length buckets of the generated part of the cache: decode step i (1 <= i < N) attends over the
-    first bucket >= i, so early steps do not read ``max_new_tokens`` slots. Doubling from ``smallest``,
-    the last one N - 1 (token N - 1 is sampled, never fed). () for N == 1."""
+    first bucket >= i, so early steps do not read ``max_new_tokens`` slots. Doubling from ``smallest``
+    (``SamplingConfig.cache_bucket``), the last one N - 1 (token N - 1 is sampled, never fed); () for N == 1."""
     need = max_new_tokens - 1
     out, b = [], smallest
     while b < need:
@@ -398,7 +402,7 @@ def _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos):
         return (cache,) + _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos)
 
     state, start = (cache,) + tuple(carry), 1
-    for size in gen_buckets(n):
+    for size in gen_buckets(n, config.cache_bucket):
         end = min(size + 1, n)  # steps [start, end) write generated slots < size
         state = (state[0].grow(size),) + state[1:]
         if eos is not None and config.stop_early:
@@ -451,7 +455,7 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
 
     pmask = prompt_mask.astype(bool)
     positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
-    buckets = gen_buckets(n)
+    buckets = gen_buckets(n, config.cache_bucket)
     h, cache = model.prefill_shared(prompt_ids.astype(jnp.int32), positions, pmask, num_rows=p * g,
                                     gen_len=buckets[0] if buckets else 1)
     logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)  # [B, V], B = P * G

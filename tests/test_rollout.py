@@ -275,8 +275,9 @@ def test_no_recompile_and_keys_differ(llama):
 G_SAMPLES = 3
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(greedy=True), dict(temperature=0.8, top_k=5, eos_id=7)],
-                         ids=["sampled", "greedy", "topk_eos"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(greedy=True),
+                                dict(temperature=0.8, top_k=5, eos_id=7, cache_bucket=2)],  # 3 decode loops
+                         ids=["sampled", "greedy", "topk_eos_buckets"])
 def test_num_samples_equals_repeated_prompts(fam, kw):
     """generate(P prompts, num_samples=G) == generate(np.repeat(prompts, G)) row for row, same key."""
     name, g, p, ids, mask = fam
@@ -289,6 +290,8 @@ def test_num_samples_equals_repeated_prompts(fam, kw):
         np.testing.assert_array_equal(np.asarray(getattr(shared, field)), np.asarray(getattr(rep, field)),
                                       err_msg=f"{name} {field}")
     np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(rep.logprobs), atol=1e-5, rtol=1e-5)
+    if "eos_id" in kw:
+        _check_eos_invariants(shared, kw["eos_id"])
     if "greedy" not in kw:  # the G samples of a prompt differ (per-row keys), rows stay prompt-major
         toks = np.asarray(shared.tokens).reshape(ids.shape[0], G_SAMPLES, N_NEW)
         assert any(len({tuple(r) for r in t}) > 1 for t in toks)
@@ -296,10 +299,10 @@ def test_num_samples_equals_repeated_prompts(fam, kw):
 
 def test_gen_buckets_and_long_generation_equal_full_forward(llama):
     """Several length buckets of the generated cache (the cache grows between decode loops)."""
-    assert ro.gen_buckets(1) == () and ro.gen_buckets(16) == (15,) and ro.gen_buckets(33) == (32,)
-    assert ro.gen_buckets(64) == (32, 63) and ro.gen_buckets(200) == (32, 64, 128, 199)
+    assert ro.gen_buckets(1) == () and ro.gen_buckets(16) == (15,) and ro.gen_buckets(65) == (64,)
+    assert ro.gen_buckets(64, 32) == (32, 63) and ro.gen_buckets(200) == (64, 128, 199)
     g, p, ids, mask = llama
-    cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, pad_id=0)
+    cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, pad_id=0, cache_bucket=8)  # buckets 8, 16, 32, 39
     out = generate(g, p, ids, mask, jax.random.key(5), cfg, num_samples=2)
     rep_ids, rep_mask = jnp.repeat(ids, 2, 0), jnp.repeat(mask, 2, 0)
     full = _full_logits(g, p, rep_ids, rep_mask, out)
