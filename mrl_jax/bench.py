@@ -104,14 +104,20 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; available: {names}")
     results: dict[str, dict] = {}
+    from mrl_jax.progress import Progress
+
+    # no background refresh of the live line while benchmarks time things: it updates between benchmarks only
+    bar = Progress(len(only or names), title="bench", unit="benchmark", auto_refresh=False)
     for name in only or names:
         t0 = time.perf_counter()
+        bar.start(name)
         try:
             figures = run_recorded(lambda: _load(name).run(quick=quick), wait_idle_s, idle_load)
         except Exception as e:  # one broken benchmark must not lose the others' figures
             figures = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
         figures["wall_s"] = round(time.perf_counter() - t0, 2)
         results[name] = figures
-        print(f"[bench] {name}: {figures.get('error', 'ok')} ({figures['wall_s']} s)", flush=True)
+        bar.done(f"{figures.get('error', 'ok')} ({figures['wall_s']} s)")
+    bar.close()
     contended = any(r.get("contended") for r in results.values())
     return {"quick": quick, "contended": contended, "environment": environment(), "benchmarks": results}

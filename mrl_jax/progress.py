@@ -78,9 +78,12 @@ class Progress:
     """A progress display over ``total`` steps (see the module docstring)."""
 
     def __init__(self, total: int | None, *, title: str, unit: str = "round", stream: IO | None = None,
-                 live: bool | None = None, min_interval: float = 5.0, enabled: bool = True):
+                 live: bool | None = None, min_interval: float = 5.0, enabled: bool = True,
+                 auto_refresh: bool = True):
         """``total``: number of steps (None = unknown: no ETA); ``live``: force the updating line (True) or
-        plain lines (False), default ``stream.isatty()``."""
+        plain lines (False), default ``stream.isatty()``; ``auto_refresh=False``: the live line is redrawn
+        only at ``start``/``done`` (no background thread, e.g. while benchmarks time things)."""
+        self.auto_refresh = auto_refresh
         self.total = None if total is None else int(total)
         self.title, self.unit, self.min_interval = title, unit, float(min_interval)
         self.stream = stream if stream is not None else sys.stderr
@@ -106,7 +109,7 @@ class Progress:
         self._rich = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
                                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
                                   TextColumn("{task.fields[figures]}"), console=Console(file=self.stream, force_terminal=True),
-                                  redirect_stdout=True, redirect_stderr=True)
+                                  redirect_stdout=True, redirect_stderr=True, auto_refresh=self.auto_refresh)
         self._rich.start()
         self._task = self._rich.add_task(self.title, total=self.total, eta="?", figures="")
 
@@ -127,7 +130,7 @@ class Progress:
         self._step_compile0 = compile_seconds()
         if self._rich is not None:
             tail = " (compiling…)" if compile else ""
-            self._rich.update(self._task, description=f"{self.title} {self.unit} {label}{tail}")
+            self._rich.update(self._task, description=f"{self.title} {self.unit} {label}{tail}", refresh=True)
 
     def done(self, figures: str = "", *, label: str | None = None) -> bool:
         """The step ends with its key figures: advance; a plain line when due. Returns whether shown."""
@@ -147,7 +150,7 @@ class Progress:
         eta = _clock(self.eta_seconds(now))
         if self._rich is not None:
             self._rich.update(self._task, completed=self.completed, eta=eta,
-                              description=f"{self.title} {self.unit} {label}{tag}", figures=figures)
+                              description=f"{self.title} {self.unit} {label}{tag}", figures=figures, refresh=True)
             return True
         last = self.total is not None and self.completed >= self.total
         count = f"{self.completed}/{self.total}" if self.total is not None else f"{self.completed}"

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from mrl_jax.progress import Progress, compile_seconds, round_figures
 from mrl_jax.trainer.metrics import RunLog
@@ -66,9 +67,10 @@ def test_a_step_that_compiles_is_labelled_after_the_fact():
     assert "(compile" in a and "(compile" not in b
 
 
-def test_live_line_renders_with_rich():
+@pytest.mark.parametrize("auto_refresh", [True, False])
+def test_live_line_renders_with_rich(auto_refresh):
     buf = io.StringIO()
-    bar = Progress(3, title="bench", unit="benchmark", stream=buf, live=True)
+    bar = Progress(3, title="bench", unit="benchmark", stream=buf, live=True, auto_refresh=auto_refresh)
     assert bar.live
     for name in ("rollout", "thl", "see"):
         bar.start(name)
@@ -93,3 +95,4 @@ def test_run_log_progress_one_line_per_round_and_eval_success(tmp_path):
     assert "nan" not in buf.getvalue()
     assert "eval success llama 0.500 gpt2 0.250" in rounds[1]  # round 0's eval, beside the next round
     assert lines[-1].startswith("[train] 3 rounds logged; eval success llama 0.700 gpt2 0.250")
+

@@ -16,6 +16,7 @@ from mrl_jax.bandit import lab_probes as LP
 from mrl_jax.bandit import measure as M
 from mrl_jax.bandit import report as R
 from mrl_jax.configs import check, field, load_yaml, to_dict
+from mrl_jax.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +139,19 @@ def run(out_dir: str, quick: bool = False, seed: int = 0, config: Optional[LabCo
     env = E.make_env(cfg.env)
     grid = cfg.grid()
     results, curves = [], {}
+    sizes = sorted({s["G"] for s in grid})
+    bar = Progress(len(cfg.probes) * len(sizes), title="bandit", unit="setting", enabled=verbose)
     for name in cfg.probes:
         spec = LP.get(name)
-        for G in sorted({s["G"] for s in grid}):
+        for G in sizes:
             sig = [s["sigma"] for s in grid if s["G"] == G]
             t = time.time()
-            results += _setting_rows(env, name, spec, G, sig, cfg, seed, curves)
-            if verbose:
-                print(f"[bandit] {name:12s} G={G} sigmas={sig}: {time.time() - t:.1f}s", flush=True)
+            bar.start(f"{name} G={G}")
+            rows = _setting_rows(env, name, spec, G, sig, cfg, seed, curves)
+            results += rows
+            bar.done(f"sigmas={sig}: support " + " ".join(f"{r['support']:.3f}" for r in rows) + " final reward "
+                     + " ".join(f"{r['final_reward']:.3f}" for r in rows) + f" ({time.time() - t:.1f}s)")
+    bar.close()
     head = {"G": cfg.headline_G, "sigma": float(cfg.headline_sigma)}
     probes = {}
     for name in cfg.probes:
