@@ -104,10 +104,11 @@ class ByteTable:
 
     Conversion follows the tokenizer's decoder: ByteLevel tokens invert GPT-2's ``bytes_to_unicode``;
     Metaspace / ``Replace("▁", " ")`` turn ``▁`` into a space; byte-fallback tokens ``<0xNN>`` are the byte
-    ``NN``; WordPiece ``##x`` is ``x`` and any other piece is ``" " + piece`` (except ``.,!?`` which the
-    decoder's cleanup glues to the previous word). Special added tokens, BOS/EOS/PAD and the unknown token
-    contribute **zero bytes** and are flagged in ``special`` (``unknown`` for the unk token); non-special added
-    tokens (e.g. GPT-NeoX's runs of spaces) contribute their literal text.
+    ``NN``, also where such a piece is an *added* token (special or not); WordPiece ``##x`` is ``x`` and any
+    other piece is ``" " + piece`` (except ``.,!?`` which the decoder's cleanup glues to the previous word).
+    Special added tokens, BOS/EOS/PAD and the unknown token contribute **zero bytes** and are flagged in
+    ``special`` (``unknown`` for the unk token); non-special added tokens (e.g. GPT-NeoX's runs of spaces)
+    contribute their literal text.
 
     ``prefix_space``: the first token of a sequence may carry a space that is not in the text (SentencePiece
     dummy prefix, the WordPiece space convention, a ``Strip`` decoder). :mod:`mrl_jax.thl` strips it when,
@@ -278,8 +279,16 @@ def build_byte_table(hf: HFTokenizer, special_ids: Iterable[int] = (), cfg: dict
     unknown = np.zeros(size, dtype=bool)
     for tok, i in vocab.items():
         pieces[i] = convert(tok)
+    # a byte-fallback piece "<0xNN>" listed as an added token (special or not) still stands for its byte: the
+    # model emits it for that byte and the ByteFallback decoder turns it back into it
+    byte_fallback = any(st.get("type") == "ByteFallback" for st in _decoder_steps(cfg))
+    byte_ids = set()
     for i, a in added.items():
-        if a.get("special", False):
+        m = _BYTE_FALLBACK.match(a["content"]) if byte_fallback else None
+        if m:
+            pieces[i] = bytes([int(m.group(1), 16)])
+            byte_ids.add(i)
+        elif a.get("special", False):
             pieces[i] = b""
             special[i] = True
         else:
@@ -290,7 +299,7 @@ def build_byte_table(hf: HFTokenizer, special_ids: Iterable[int] = (), cfg: dict
         unk_ids.append(hf.token_to_id(model["unk_token"]))
     if model.get("unk_id") is not None:
         unk_ids.append(int(model["unk_id"]))
-    for i in [*unk_ids, *special_ids]:
+    for i in [*unk_ids, *(j for j in special_ids if j not in byte_ids)]:
         if i is not None and 0 <= i < size:
             pieces[i] = b""
             special[i] = True

@@ -11,7 +11,7 @@ Host side (numpy, vectorised over the whole batch — no per-token Python loop):
 
 * **Byte spans come from the vocabulary**, never from ``offset_mapping``: each tokenizer has a table token id
   -> bytes (:class:`mrl_jax.tokenization.ByteTable`: GPT-2 byte map inverted, ``▁`` -> space, ``<0xNN>`` ->
-  byte, WordPiece ``##``). The spans of the *actual* ids (possibly non-canonical, e.g. a word sampled as
+  byte, also where the byte pieces are listed as added tokens, WordPiece ``##``). The spans of the *actual* ids (possibly non-canonical, e.g. a word sampled as
   several small tokens) are the cumulative sums of their byte lengths. Byte-level BPE splits a character over
   several tokens: alignment is on bytes, not characters.
 * **Special tokens** (BOS/EOS/PAD, special added tokens, the unknown token) contribute zero bytes. A zero-byte
@@ -30,8 +30,13 @@ Host side (numpy, vectorised over the whole batch — no per-token Python loop):
   subsequence of (token bytes, text bytes), boundaries inside changed regions are dropped (their tokens merge
   into one chunk), the chunks holding changed bytes get ``chunk_valid = False`` and the row is flagged
   (``src_roundtrip`` / ``dst_roundtrip``, ``normalized``, ``cut_mid_char``, ``src_unknown`` ...).
-  The residual also reports the bytes in 1:1 chunks and tokens per chunk on both sides; mask
-  ``~chunk_valid`` in losses, and weigh how much of the text is not 1:1. WordPiece's space before a piece is a
+  Safety net: in those rows each chunk's source token bytes are compared with its destination token bytes (numpy,
+  O(bytes)), and a chunk holding an unknown token (bytes unknown) is never valid; a chunk that fails is made
+  invalid and counted in ``residual["byte_mismatch_chunks"]`` (0 when the tables and the mapping are right). In
+  rows that round-trip on both sides every chunk lies between common token ends, so its bytes are the text's on
+  both sides by construction. A zero-byte token in such a row stays with the text before it, or, after text the
+  tokens do not spell, with that text (an unknown token with what it stands for). The residual also reports the
+  bytes in 1:1 chunks and tokens per chunk on both sides; mask ``~chunk_valid`` in losses, and weigh how much of the text is not 1:1. WordPiece's space before a piece is a
   decoding convention: a chunk whose only difference is such a space stays valid (the row still reports
   ``*_roundtrip = False``). Rows that differ from the text take a per-row Python path (``difflib``, a few ms
   per 256-token text); rows that round-trip never do.

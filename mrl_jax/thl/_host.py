@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from mrl_jax.thl._spans import _flatten, _map_row, _row_hashes, _Side, _side
-from mrl_jax.tokenization import ByteTable, Tokenizer
+from mrl_jax.tokenization import ByteTable, Tokenizer, _gather_index
 
 __all__ = ["Alignment", "BatchAlignment", "align", "align_batch"]
 
@@ -295,7 +295,58 @@ def _text_valid(bad: np.ndarray | None, extra_rows: np.ndarray, cstart: np.ndarr
     return valid
 
 
-def _residual(boff, src: _Side, dst: _Side, lay: _Layout, valid, one, cbytes, fix_s, fix_d, src_table,
+def _row_tokens(side: _Side, rows: np.ndarray) -> np.ndarray:
+    """Flat indices (sorted int64) of the tokens of ``rows`` (sorted)."""
+    n = side.counts[rows]
+    return _gather_index(side.off[rows], n)
+
+
+def _stream(table: ByteTable, side: _Side, tok: np.ndarray, g: np.ndarray, drop_spaces: bool):
+    """Bytes of the tokens ``tok`` in order, dummy prefix stripped (``uint8[n]``), and each byte's global chunk
+    (``int64[n]``, non-decreasing); ``drop_spaces``: without the space bytes."""
+    ids, L = side.ids[tok], side.L[tok]
+    data = table.data[_gather_index(table.offsets[ids] + (table.lengths[ids] - L), L)]
+    chunk = np.repeat(g[tok], L)
+    if drop_spaces:
+        keep = data != 0x20
+        data, chunk = data[keep], chunk[keep]
+    if chunk.size > 1 and (chunk[1:] < chunk[:-1]).any():  # not expected: chunk ids grow with the tokens
+        order = np.argsort(chunk, kind="stable")
+        data, chunk = data[order], chunk[order]
+    return data, chunk
+
+
+def _chunks_agree(src_table: ByteTable, src: _Side, src_g: np.ndarray, zs: np.ndarray, dst_table: ByteTable,
+                  dst: _Side, dst_g: np.ndarray, zd: np.ndarray, slow_rows: np.ndarray, lay: _Layout) -> np.ndarray:
+    """Safety net, ``bool[K]``: the chunk's source token bytes equal its destination token bytes, and no side holds
+    an unknown token there (its bytes are not known).
+
+    The bytes are compared (vectorised, O(bytes)) in ``slow_rows``, the rows where a side's bytes differ from the
+    text; in the other rows both sides spell the text (row hash) and every chunk lies between common token ends,
+    so its bytes are the text's on both sides by construction. WordPiece (``space_optional``): spaces are not
+    compared. ``zs`` / ``zd``: the fix-up tokens (they hold every zero-byte token, hence every unknown one).
+    """
+    agree = np.ones(lay.K, dtype=bool)
+    if slow_rows.size:
+        drop = src_table.space_optional or dst_table.space_optional
+        a, ca = _stream(src_table, src, _row_tokens(src, slow_rows), src_g, drop)
+        b, cb = _stream(dst_table, dst, _row_tokens(dst, slow_rows), dst_g, drop)
+        na, nb = np.bincount(ca, minlength=lay.K), np.bincount(cb, minlength=lay.K)
+        agree = na == nb
+        eq = np.nonzero(agree & (na > 0))[0]
+        if eq.size:
+            n = na[eq]
+            diff = a[_gather_index((np.cumsum(na) - na)[eq], n)] != b[_gather_index((np.cumsum(nb) - nb)[eq], n)]
+            if diff.any():
+                agree[np.repeat(eq, n)[diff]] = False
+    for table, side, g, z in ((src_table, src, src_g, zs), (dst_table, dst, dst_g, zd)):
+        unk = z[table.unknown[side.ids[z]]]
+        if unk.size:
+            agree[g[unk]] = False
+    return agree
+
+
+def _residual(boff, src: _Side, dst: _Side, lay: _Layout, valid, mismatch, one, cbytes, fix_s, fix_d, src_table,
               dst_table, src_normalizes: bool, dst_normalizes: bool) -> dict:
     """Per-row residual figures (see :func:`align_batch`). ``fix_s`` / ``fix_d``: (fix-up token indices, their
     rows)."""
@@ -324,6 +375,7 @@ def _residual(boff, src: _Side, dst: _Side, lay: _Layout, valid, one, cbytes, fi
         "chunks_one_to_one": per_row(one),
         "invalid_bytes": per_row(np.where(valid, 0, cbytes)) + np.where(nchunks == 0, textlen, 0),
         "invalid_chunks": per_row(~valid),
+        "byte_mismatch_chunks": per_row(mismatch),
         "src_tokens_per_chunk": ns / np.maximum(nchunks, 1), "dst_tokens_per_chunk": nd / np.maximum(nchunks, 1),
         "src_special": count(rs_, src_table.special[src.ids[zs]]),
         "dst_special": count(rd_, dst_table.special[dst.ids[zd]]),
@@ -357,8 +409,10 @@ def _core(tb: np.ndarray, boff: np.ndarray, src_table: ByteTable, src_ids, src_o
     one = (cnt_s == 1) & (cnt_d == 1)
     cbytes = cend - cstart
     valid = _text_valid(bad, extra_rows, cstart, cend, lay, N)
-    residual = _residual(boff, src, dst, lay, valid, one, cbytes, (zs, runs_s[0]), (zd, runs_d[0]), src_table,
-                         dst_table, src_normalizes, dst_normalizes)
+    mismatch = valid & ~_chunks_agree(src_table, src, src_g, zs, dst_table, dst, dst_g, zd, slow_rows, lay)
+    valid &= ~mismatch
+    residual = _residual(boff, src, dst, lay, valid, mismatch, one, cbytes, (zs, runs_s[0]), (zd, runs_d[0]),
+                         src_table, dst_table, src_normalizes, dst_normalizes)
     return dict(src_chunk=src_local, dst_chunk=dst_local, nchunks=lay.nchunks, cbase=lay.cbase, valid=valid,
                 one=one, cstart=cstart, cbytes=cbytes, residual=residual)
 
@@ -375,6 +429,7 @@ def _metrics(res: dict) -> dict:
         "frac_bytes_invalid": float(res["invalid_bytes"].sum() / tb) if tb else 0.0,
         "frac_chunks_one_to_one": float(res["chunks_one_to_one"].sum() / nc) if nc else 1.0,
         "frac_chunks_invalid": float(res["invalid_chunks"].sum() / nc) if nc else 0.0,
+        "byte_mismatch_chunks": int(res["byte_mismatch_chunks"].sum()),
         "src_tokens_per_chunk": float(res["src_tokens"].sum() / nc) if nc else 0.0,
         "dst_tokens_per_chunk": float(res["dst_tokens"].sum() / nc) if nc else 0.0,
         "src_non_roundtrip_texts": int((~res["src_roundtrip"]).sum()),
@@ -417,7 +472,9 @@ def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: T
 
     ``residual`` holds per-row arrays: ``text_bytes``, ``src_tokens``, ``dst_tokens``, ``num_chunks``,
     ``src_roundtrip``, ``dst_roundtrip``, ``bytes_one_to_one``, ``frac_bytes_one_to_one``,
-    ``chunks_one_to_one``, ``invalid_bytes``, ``invalid_chunks``, ``src_tokens_per_chunk``,
+    ``chunks_one_to_one``, ``invalid_bytes``, ``invalid_chunks``, ``byte_mismatch_chunks`` (chunks the
+    per-chunk byte check made invalid: the two sides' token bytes differ there, or a side holds an unknown token;
+    0 when the vocabulary byte tables are right), ``src_tokens_per_chunk``,
     ``dst_tokens_per_chunk``, ``src_special``, ``dst_special``, ``src_unknown``, ``dst_unknown``,
     ``src_dummy_prefix``, ``dst_dummy_prefix``, ``cut_mid_char``, ``normalized``; ``metrics`` aggregates them.
     """

@@ -175,7 +175,14 @@ def _map_row(table: ByteTable, ids: np.ndarray, text: bytes, base: int, bad: np.
         kr = np.maximum(k2, 0)
         right_ok = (k2 >= 0) & (ends < i2s[kr])
         right = j1s[kr] + ends - i1s[kr]
-        mapped = np.where(left_ok, left, np.where(right_ok, right, -1))
+        # tokens that end at the same q: one with bytes, then zero-byte ones (special, unknown). Mapped left (q
+        # ends an equal block), the boundary is after the first of them; mapped only right (q starts an equal
+        # block after text the tokens do not spell), after the last, so that an unknown token stays with the
+        # text it stands for instead of jumping over it into the next chunk
+        new_end = np.ones(ends.shape[0] + 1, dtype=bool)
+        new_end[1:-1] = ends[1:] != ends[:-1]
+        first_of_run, last_of_run = new_end[:-1], new_end[1:]
+        mapped = np.where(left_ok & first_of_run, left, np.where(right_ok & ~left_ok & last_of_run, right, -1))
         mapped[left_ok & right_ok & (left != right)] = -1
     mapped[-1] = n
     carried = np.maximum.accumulate(np.concatenate([[0], mapped[:-1]]))
