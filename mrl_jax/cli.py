@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_compile_cache(disabled=args.no_compile_cache)
     from mrl_jax.configs import ConfigError
     from mrl_jax.models import CheckpointError as ModelFileError
-    from mrl_jax.tasks import RewardFailure
+    from mrl_jax.tasks import JsonlFormatError, RewardFailure
     from mrl_jax.trainer.checkpoint import CheckpointError
     from mrl_jax.trainer.loop import TrainingStopped
 
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (CheckpointError, ModelFileError, FileNotFoundError) as e:
         print(f"mrl {args.verb}: {e}", file=sys.stderr)
+        return 2
+    except JsonlFormatError as e:  # a bad task file: one line naming path:line
+        print(f"mrl {args.verb}: task file error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # mrl_jax.export.ExportError, models.lora.LoRAError: one line naming path/key + fix
         if type(e).__name__ not in ("ExportError", "LoRAError"):

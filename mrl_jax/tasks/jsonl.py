@@ -185,12 +185,18 @@ def load_jsonl(
 
     Returns ``[{"prompt": str, "answer": str, "id": <id_field value or None>, "line": int, "record": dict}]``.
     Raises :class:`JsonlFormatError` naming ``path:line`` for invalid JSON, a non-object line, a missing
-    field or a field of the wrong type, and FileNotFoundError / ValueError for a missing / empty file.
+    field, a field of the wrong type, a line that is not UTF-8 or an empty file, and FileNotFoundError for a
+    missing one.
     """
     path = os.fspath(path)
     rows = []
-    with open(path, "r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise JsonlFormatError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                       f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -208,7 +214,7 @@ def load_jsonl(
                     raise JsonlFormatError(f"{path}:{lineno}: field {id_field!r} must be a non-negative integer")
             rows.append({"prompt": prompt, "answer": answer, "id": rid, "line": lineno, "record": record})
     if not rows:
-        raise ValueError(f"{path}: no records (empty file)")
+        raise JsonlFormatError(f"{path}: no records (empty file)")
     return rows
 
 
