@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Build two tiny heterogeneous policies (different families, sizes and "
                           "tokenizer algorithms), warm-start each on a different part of a synthetic fact table, run "
                           "the same RL budget under every probe and several seeds, evaluate on held-out prompts. "
-                          "Writes summary.json, summary.md (table) and curves.png.")
+                          "Writes summary.json, summary.md (table), success.png (held-out success per skill over "
+                          "rounds) and curves.png (training reward).")
     _add_out(demo)
     demo.add_argument("--quick", action="store_true", help="smaller budget (fewer rounds and seeds), ~3 minutes on CPU")
     demo.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3, or 1 with --quick)")
