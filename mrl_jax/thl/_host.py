@@ -458,6 +458,35 @@ def _pad(off: np.ndarray, width: int, *arrays_fills) -> tuple[np.ndarray, list[n
     return mask, outs
 
 
+def _truncation(out: dict, s_off, d_off, Ts: int, Td: int, src_chunk: np.ndarray, dst_chunk: np.ndarray,
+                max_chunks: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Rows cut at ``Ts`` / ``Td`` tokens or ``max_chunks`` chunks. Returns ``(truncated: bool[B], nkeep: int[B]``
+    chunks kept, ``complete: int[B]`` chunks complete on both sides, ``Cw`` the chunk width); chunk ids past
+    ``Cw`` in the padded ``src_chunk`` / ``dst_chunk: int32[B, T]`` become -1 (in place)."""
+    ns, nd, nchunks = np.diff(s_off), np.diff(d_off), out["nchunks"]
+    B = nchunks.shape[0]
+    # a chunk is complete on a side iff it is below the chunk of that side's first cut token
+    truncated = (ns > Ts) | (nd > Td)
+    nkeep = nchunks.copy()
+    complete = np.full(B, np.iinfo(np.int64).max)
+    for flat_chunk, off, T, n in ((out["src_chunk"], s_off, Ts, ns), (out["dst_chunk"], d_off, Td, nd)):
+        cut = np.nonzero(n > T)[0]
+        if cut.size:
+            complete[cut] = np.minimum(complete[cut], flat_chunk[off[cut] + T])
+    if truncated.any():
+        last = np.maximum(src_chunk.max(axis=1, initial=-1), dst_chunk.max(axis=1, initial=-1)) + 1
+        nkeep = np.where(truncated, np.minimum(nchunks, last), nchunks)
+    Cw = max_chunks if max_chunks is not None else max(int(nkeep.max(initial=0)), 1)
+    over = nkeep > Cw
+    if over.any():
+        truncated |= over
+        complete = np.where(over, np.minimum(complete, Cw), complete)
+        nkeep = np.minimum(nkeep, Cw)
+        src_chunk[src_chunk >= Cw] = -1
+        dst_chunk[dst_chunk >= Cw] = -1
+    return truncated, nkeep, complete, Cw
+
+
 def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: Tokenizer, src_ids_list=None,
                 max_src_len: int | None = None, max_dst_len: int | None = None, *, dst_ids_list=None,
                 src_lengths=None, src_mask=None, max_chunks: int | None = None,
@@ -503,25 +532,7 @@ def align_batch(texts: Sequence[str], src_tokenizer: Tokenizer, dst_tokenizer: T
     src_m, (src_ids, src_chunk) = _pad(s_off, Ts, (s_flat, spad), (out["src_chunk"], -1))
     dst_m, (dst_ids, dst_chunk) = _pad(d_off, Td, (d_flat, dpad), (out["dst_chunk"], -1))
 
-    # truncation: a chunk is complete on a side iff it is below the chunk of that side's first cut token
-    truncated = (ns > Ts) | (nd > Td)
-    nkeep = nchunks.copy()
-    complete = np.full(B, np.iinfo(np.int64).max)
-    for flat_chunk, off, T, n in ((out["src_chunk"], s_off, Ts, ns), (out["dst_chunk"], d_off, Td, nd)):
-        cut = np.nonzero(n > T)[0]
-        if cut.size:
-            complete[cut] = np.minimum(complete[cut], flat_chunk[off[cut] + T])
-    if truncated.any():
-        last = np.maximum(src_chunk.max(axis=1, initial=-1), dst_chunk.max(axis=1, initial=-1)) + 1
-        nkeep = np.where(truncated, np.minimum(nchunks, last), nchunks)
-    Cw = max_chunks if max_chunks is not None else max(int(nkeep.max(initial=0)), 1)
-    over = nkeep > Cw
-    if over.any():
-        truncated |= over
-        complete = np.where(over, np.minimum(complete, Cw), complete)
-        nkeep = np.minimum(nkeep, Cw)
-        src_chunk[src_chunk >= Cw] = -1
-        dst_chunk[dst_chunk >= Cw] = -1
+    truncated, nkeep, complete, Cw = _truncation(out, s_off, d_off, Ts, Td, src_chunk, dst_chunk, max_chunks)
     cidx = np.arange(Cw)[None, :]
     cmask = cidx < nkeep[:, None]
     gidx = np.minimum(out["cbase"][:-1, None] + cidx, max(out["valid"].shape[0] - 1, 0))
