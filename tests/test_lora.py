@@ -192,3 +192,26 @@ def test_rank8_lora_trains_a_fraction_of_the_params_in_less_update_memory():
         assert lora_mem["output_size_in_bytes"] < full_mem["output_size_in_bytes"] / 5
         total = lambda m: sum(m.values())  # noqa: E731
         assert total(lora_mem) < total(full_mem)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_adapter_dropout_acts_in_the_update_only(rate):
+    tok, cfg = _tiny_run({"rank": 2, "alpha": 4.0, "dropout": rate})
+    model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
+                              intermediate_size=16)
+    pol, st = build_policy(0, cfg.policies[0], tok, model, cfg)
+    adapters, frozen = lora_lib.split_adapters(st.params)
+    adapters = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)
+    params = nnx.merge_state(adapters, frozen)
+    ids = _ids(T=5) % tok.vocab_size
+    sampler_model = nnx.merge(pol.graphdef, params)  # the sampler's graph: dropout off, deterministic
+    np.testing.assert_array_equal(np.asarray(sampler_model(ids)), np.asarray(sampler_model(ids)))
+    np.testing.assert_allclose(np.asarray(sampler_model(ids)), np.asarray(lora_lib.merge(sampler_model)(ids)),
+                               atol=1e-5)
+    batch, view = _batch(tok.vocab_size), see.empty_view(2, 1, 3, 3, 1)
+    losses = []
+    for k in (0, 0, 1):
+        p = jax.tree.map(jnp.copy, params)
+        _, _, m = pol.update(p, jax.tree.map(jnp.copy, st.opt_state), batch, view, jax.random.key(k))
+        losses.append(float(m["loss"]))
+    assert losses[0] == losses[1] and (losses[0] != losses[2]) == (rate > 0)  # the key draws the dropout masks
