@@ -106,9 +106,19 @@ class Progress:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.progress import Progress as RichProgress
 
-        self._rich = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
-                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
-                                  TextColumn("{task.fields[figures]}"), console=Console(file=self.stream, force_terminal=True),
+        from rich.table import Column
+
+        console = Console(file=self.stream, force_terminal=True)
+        fixed = dict(no_wrap=True)   # the figures give way (cut with …) in a narrow terminal, not the rest
+        room = max(console.width - 40 - len(self.title) - len(self.unit) - 24, 16)
+        self._rich = RichProgress(TextColumn("[bold]{task.description}", table_column=Column(**fixed)),
+                                  BarColumn(bar_width=20, table_column=Column(**fixed)),
+                                  MofNCompleteColumn(table_column=Column(**fixed)),
+                                  TimeElapsedColumn(table_column=Column(**fixed)),
+                                  TextColumn("eta {task.fields[eta]}", table_column=Column(**fixed)),
+                                  TextColumn("{task.fields[figures]}",
+                                             table_column=Column(no_wrap=True, overflow="ellipsis", max_width=room)),
+                                  console=console,
                                   redirect_stdout=True, redirect_stderr=True, auto_refresh=self.auto_refresh)
         self._rich.start()
         self._task = self._rich.add_task(self.title, total=self.total, eta="?", figures="")
