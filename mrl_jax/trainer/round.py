@@ -125,10 +125,9 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
     with timer("rollout"):
         launched = []
         for pol, ps in zip(policies, state.policies):
-            ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts)
-            ids, mask = np.repeat(ids, G, axis=0), np.repeat(mask, G, axis=0)
+            ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts)   # [P, Tp]: prefilled once
             out = generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), keys[pol.index],
-                           pol.sampling)
+                           pol.sampling, num_samples=G)
             launched.append((ids, mask, out))
         rollouts = [(ids, mask, jax.device_get(out)) for ids, mask, out in launched]
 
@@ -172,7 +171,7 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
     with timer("update"):
         new_states, raw_metrics = [], []
         for pol, ps, (ids, mask, out), sc, view in zip(policies, state.policies, rollouts, scores, views):
-            batch = Batch(prompt_ids=jnp.asarray(ids[::G]), prompt_mask=jnp.asarray(mask[::G]),
+            batch = Batch(prompt_ids=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
                           completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
                           old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
                           rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
