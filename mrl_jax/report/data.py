@@ -10,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from mrl_jax.trainer.metrics import RunLog
-
 PROBE_PREFIXES = ("prp", "sgt", "xgrpo", "replay")
 
 
@@ -63,6 +61,22 @@ class RunRecords:
         return sorted(out)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log; a line torn by a kill (or still being written) is skipped; [] if absent.
+    (Same reading as ``trainer.metrics.RunLog.read_records``; kept here so a report needs no JAX import.)"""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -76,13 +90,13 @@ def load_run(run_dir: str | Path) -> RunRecords:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory: no metrics.jsonl (made by `mrl train`)")
-    records = RunLog.read_records(metrics_path)
+    records = read_jsonl(metrics_path)
     train = [r for r in records if "policy" in r and "round" in r and not str(r["policy"]).endswith("/eval")]
     evals = [{"round": int(r["round"]), "policy": str(r["policy"])[:-len("/eval")], "success": _float(r.get("success"))}
              for r in records if "round" in r and str(r.get("policy", "")).endswith("/eval")]
     return RunRecords(run_dir=run_dir, train=train, evals=evals,
-                      groups=RunLog.read_records(run_dir / "groups.jsonl"),
-                      samples=RunLog.read_records(run_dir / "samples.jsonl"),
+                      groups=read_jsonl(run_dir / "groups.jsonl"),
+                      samples=read_jsonl(run_dir / "samples.jsonl"),
                       summary=_read_json(run_dir / "summary.json"), config=_read_json(run_dir / "config.json"))
 
 
