@@ -48,6 +48,20 @@ def test_report_to_is_validated_in_the_run_config():
         soak.to_run_config(soak.tiny_config(report_to="wandb"))  # a list, as in TRL
 
 
+def test_wandb_without_its_client_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match=r"report_to.*mrl-jax\[wandb\]"):
+        RunLog(tmp_path, progress=False, report_to=["jsonl", "wandb"])
+
+
+def test_report_to_none_writes_only_the_run_record(tmp_path):
+    log = RunLog(tmp_path, progress=False, report_to=["none"])
+    log.log_round(0, ROUNDS[0])
+    log.close()
+    assert not (tmp_path / "tb").exists() and not (tmp_path / "wandb").exists()
+    assert "reward/mean" in (tmp_path / "metrics.jsonl").read_text()  # internal names kept in the record
+
+
 def _tfrecords(path: Path):
     data, pos = path.read_bytes(), 0
     while pos < len(data):

@@ -103,7 +103,10 @@ class WandbTracker:
         try:
             import wandb
         except ImportError as e:
-            raise ImportError("report_to: wandb needs the W&B client: pip install 'mrl-jax[wandb]'") from e
+            from mrl_jax.configs import ConfigError
+
+            raise ConfigError("config key 'report_to': wandb needs the W&B client: pip install 'mrl-jax[wandb]' "
+                              "(or drop wandb from report_to)") from e
         id_file = out_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
