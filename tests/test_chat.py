@@ -166,3 +166,38 @@ def test_decode_strips_only_a_final_stop_token(shared_tokenizers_dir):
     assert content == [a, b, a + [end] + b] and texts[:2] == ["ab", "cd"]
     _, content_default = decode_completions(tok, tokens, mask)  # default stop set: the tokenizer's EOS only
     assert content_default[0] == a + [end] and content_default[1] == b
+
+
+def test_chat_policy_trains_exports_and_evaluates_with_its_template(shared_tokenizers_dir, tmp_path):
+    """A SmolLM2-tokenizer policy prompted through its chat template: a round runs, the export carries the
+    template and the stop set, and the exported directory evaluates like the run's checkpoint."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mrl_jax.export import evaluate_exported, export_policy
+    from mrl_jax.trainer import train
+    from mrl_jax.trainer.loop import evaluate_from_yaml
+
+    folder = shared_tokenizers_dir / "smollm2-135m"
+    cfg = from_dict(RunConfig, {
+        "policies": [{"name": "smol", "tokenizer": {"path": str(folder)}, "prompt_format": "chat",
+                      "system_prompt": "Add the numbers.", "stop_tokens": ["<|endoftext|>"],
+                      "model": {"family": "llama", "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+                                "num_kv_heads": 1}, "sampling": {"max_new_tokens": 4}}],
+        "task": {"name": "arith"}, "rounds": 1, "prompts_per_round": 2, "num_generations": 2,
+        "checkpoint_every": 1, "eval_prompts": 4, "see": {"capacity": 64, "max_text_bytes": 0}})
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(isinstance(s["completion"], str) and "<|im_end|>" not in s["completion"] for s in samples)
+    out = tmp_path / "export"
+    export_policy(run, "smol", out)
+    conf = json.loads((out / "tokenizer_config.json").read_text())
+    assert conf["chat_template"] == json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    hf = PreTrainedTokenizerFast.from_pretrained(out)
+    msgs = [{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": "12+34="}]
+    hf_ids = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    hf_ids = list(hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids)
+    assert PromptFormat.chat_from(out, "Add the numbers.").encode(load_tokenizer(out), ["12+34="])[0] == hf_ids
+    got = evaluate_exported(run / "config.json", out, "smol")["eval"]["smol"]
+    assert got == evaluate_from_yaml(run / "config.json", run)["eval"]["smol"]
