@@ -61,9 +61,9 @@ def _policy_index(cfg, name: str, where: Path, flag: str = "--policy") -> int:
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
     o, r = out.resolve(), run_dir.resolve()
-    if o == r or r in o.parents and (r / "checkpoints") in (o, *o.parents) or o in r.parents:
-        raise ExportError(f"--out {out}: overlaps the run directory {run_dir} (export never writes into the run's "
-                          "own files); choose a directory outside it")
+    if o == r or r in o.parents or o in r.parents:
+        raise ExportError(f"--out {out}: overlaps the run directory {run_dir} (export never writes into a run); "
+                          "choose a directory outside it")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:

@@ -156,8 +156,9 @@ def test_export_refuses_a_non_empty_directory_unless_forced(run, tmp_path):
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
     export_policy(out, "llama_bpe", tmp_path / "busy", force=True)
     assert not (tmp_path / "busy" / "keep.txt").exists() and (tmp_path / "busy" / "config.json").is_file()
-    with pytest.raises(ExportError, match="overlaps the run directory"):
-        export_policy(out, "llama_bpe", out / "checkpoints" / "x", force=True)
+    for inside in (out / "checkpoints" / "x", out / "export", out, out.parent):
+        with pytest.raises(ExportError, match="overlaps the run directory"):
+            export_policy(out, "llama_bpe", inside, force=True)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ExportError, match=r"config\.json: missing; --run must be a run directory"):
         export_policy(tmp_path / "empty", "llama_bpe", tmp_path / "y")
