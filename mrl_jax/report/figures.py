@@ -26,12 +26,12 @@ def metric_panels(run: RunRecords, keys: Sequence[str], path: Path, title: str, 
     cols = min(len(keys), 4)
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    colors = {}
+    colors = {p: f"C{i}" for i, p in enumerate(run.policies)}   # one colour per policy in every panel
     for ax, key in zip(axes.flat, keys):
         for policy in run.policies:
             x, y = run.series(policy, key)
-            (line,) = ax.plot(x, y, marker="." if len(x) < 30 else None, label=policy, color=colors.get(policy))
-            colors[policy] = line.get_color()
+            if len(x):   # a probe's counters exist only for the policies that run it
+                ax.plot(x, y, marker="." if len(x) < 30 else None, label=policy, color=colors[policy])
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("round")
     if evals and run.evals:
@@ -44,7 +44,8 @@ def metric_panels(run: RunRecords, keys: Sequence[str], path: Path, title: str, 
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    if not (evals and run.evals):
+        axes.flat[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
