@@ -152,3 +152,18 @@ def test_train_progress_off_a_terminal_prints_at_most_one_line_per_round(run):
     assert "(compile" in rounds[0]
     assert "llama_bpe: reward" in rounds[0] and "gpt2_uni: reward" in rounds[0] and "kl" in rounds[0]
     assert "reward nan" not in err and "eval success llama_bpe" in err
+
+
+def test_groups_are_kept_out_of_metrics_and_truncated_on_resume(tmp_path):
+    from mrl_jax.trainer.metrics import RunLog
+
+    log = RunLog(tmp_path, tensorboard=False, progress=False)
+    for r in range(4):
+        g = {"prompt_ids": [7, 9], "rewards": [[0.0, 1.0], [0.0, 0.0]], "tau": 1.0}
+        log.log_round(r, {"a": {"reward/mean": 0.25, "groups": g}, "b": {"reward/mean": 0.0, "groups": g}})
+    log.truncate_after(1)
+    log.close()
+    groups = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [(g["round"], g["policy"]) for g in groups] == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert groups[0]["prompt_ids"] == [7, 9] and groups[0]["rewards"] == [[0.0, 1.0], [0.0, 0.0]]
+    assert "groups" not in (tmp_path / "metrics.jsonl").read_text()
