@@ -1,0 +1,98 @@
+"""A/B of two sampler implementations in ONE process, interleaved (robust to a machine whose load drifts).
+
+    git show abf26a9:mrl_jax/rollout.py > /tmp/old_rollout.py     # the sampler before issue #14
+    python benchmarks/ab_sampler.py --old /tmp/old_rollout.py [--quick] [--out FILE]
+
+The old file is imported as a separate module next to today's ``mrl_jax.rollout`` (it must only use
+the model API that still exists: ``init_cache`` / ``decode`` / ``decode_hidden`` / ``head``). Each case runs
+both samplers on the same weights and prompts (the old one on prompts repeated G times, the new one with
+``num_samples=G``), ``repeats`` interleaved timed calls after a compile call; reported: tokens/s (min time)
+of each, new / old, and the load record of the section (``mrl_jax.bench_env``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+CASES = {  # P prompts x G samples, prompt length, new tokens; the bench_rollout demo model (d96, 2 layers)
+    "b128_g1": dict(P=128, G=1, tp=32, n=64),
+    "p16_g8": dict(P=16, G=8, tp=64, n=64),
+    "p32_g8_long": dict(P=32, G=8, tp=64, n=256),
+}
+QUICK = {"b32_g1": dict(P=32, G=1, tp=16, n=32), "p8_g8": dict(P=8, G=8, tp=32, n=32)}
+
+
+def _load_old(path: str):
+    spec = importlib.util.spec_from_file_location("old_rollout", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_rollout"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _case(old, c: dict, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mrl_jax import models, rollout
+    from mrl_jax.bench_env import section
+
+    m = models.tiny_model("llama", 512, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=384)
+    g, p = nnx.split(m)
+    ids = jax.random.randint(jax.random.key(0), (c["P"], c["tp"]), 3, 512)
+    mask = jnp.ones_like(ids, bool)
+    rep_ids, rep_mask = jnp.repeat(ids, c["G"], 0), jnp.repeat(mask, c["G"], 0)
+    kw = dict(max_new_tokens=c["n"], temperature=1.0, eos_id=None, pad_id=0)
+    new_cfg, old_cfg = rollout.SamplingConfig(**kw), old.SamplingConfig(**kw)
+
+    def run_new(k):
+        return jax.block_until_ready(rollout.generate(g, p, ids, mask, k, new_cfg, num_samples=c["G"]))
+
+    def run_old(k):
+        return jax.block_until_ready(old.generate(g, p, rep_ids, rep_mask, k, old_cfg))
+
+    t0 = time.perf_counter(); run_new(jax.random.key(1)); compile_new = time.perf_counter() - t0
+    t0 = time.perf_counter(); run_old(jax.random.key(1)); compile_old = time.perf_counter() - t0
+    tn, to = [], []
+    with section(f"ab_{c['P']}x{c['G']}_{c['tp']}+{c['n']}") as load:
+        for i in range(repeats):
+            t0 = time.perf_counter(); run_new(jax.random.key(2 + i)); tn.append(time.perf_counter() - t0)
+            t0 = time.perf_counter(); run_old(jax.random.key(2 + i)); to.append(time.perf_counter() - t0)
+    toks = c["P"] * c["G"] * c["n"]
+    return dict(case=c, new_tokens_per_s=round(toks / min(tn)), old_tokens_per_s=round(toks / min(to)),
+                new_over_old=round(min(to) / min(tn), 3), new_s_all=[round(t, 4) for t in tn],
+                old_s_all=[round(t, 4) for t in to], first_call_s_new=round(compile_new, 2),
+                first_call_s_old=round(compile_old, 2), load=load, contended=load["contended"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="path of the old mrl_jax/rollout.py")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from mrl_jax.bench import run_recorded
+
+    old = _load_old(args.old)
+    cases = QUICK if args.quick else CASES
+    figures = run_recorded(lambda: {name: _case(old, c, args.repeats) for name, c in cases.items()},
+                           args.wait_idle)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
