@@ -25,7 +25,8 @@ from typing import Sequence
 
 from mrl_jax.tokenization import Tokenizer
 
-__all__ = ["ChatTemplateError", "PromptFormat", "as_prompt_format", "read_chat_template", "stop_ids", "tokenizer_folder"]
+__all__ = ["ChatTemplateError", "PromptFormat", "as_prompt_format", "read_chat_template", "stop_ids",
+           "tokenizer_folder"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
