@@ -64,7 +64,8 @@ def test_peft_loads_our_adapters_with_our_logits_and_merge_matches(family, tmp_p
     models.save_pretrained(lora_lib.merge(model), tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     with torch.no_grad():
-        np.testing.assert_allclose(merged(torch.tensor(ids, dtype=torch.long)).logits.numpy(), ours, atol=ATOL, rtol=ATOL)
+        got_merged = merged(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got_merged, ours, atol=ATOL, rtol=ATOL)
     # and back: the saved adapters loaded onto a fresh LoRA model of the same base
     fresh = lora_lib.apply_lora(models.from_pretrained(tmp_path / "base"), rank=4, alpha=8.0,
                                 targets=lora_lib.targets_from_peft(

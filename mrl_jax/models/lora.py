@@ -38,8 +38,8 @@ from .checkpoint import _name_map
 from .layers import Linear
 
 __all__ = ["ADAPTER_FILE", "LoRADropoutKey", "LoRAError", "LoRALinear", "adapters_off", "apply_lora",
-           "base_model", "lora_modules", "load_adapters", "merge", "peft_state_dict", "read_adapter_config", "save_adapters",
-           "set_dropout", "split_adapters", "targets_from_peft"]
+           "base_model", "dropout_keys", "lora_modules", "load_adapters", "merge", "peft_state_dict", "read_adapter_config",
+           "save_adapters", "set_dropout", "split_adapters", "targets_from_peft"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"

@@ -2,9 +2,10 @@
 
 Prompts are formatted with the policy's ``PromptFormat`` (a ``prompt_template`` or the checkpoint's chat
 template, see :mod:`mrl_jax.chat`) and LEFT-padded (the sampler's layout); completions are RIGHT-padded, end
-with a stop token when they ended (kept in the mask, stripped from the decoded text), and are encoded as a *continuation* of the prompt (no
-SentencePiece dummy prefix), so a completion's ids spell exactly its text's bytes — the boundary THL
-relies on: only the completion text crosses policies, each consumer puts its own prompt ids in front.
+with a stop token when they ended (kept in the mask, stripped from the decoded text), and are encoded as a
+*continuation* of the prompt (no SentencePiece dummy prefix), so a completion's ids spell exactly its text's
+bytes — the boundary THL relies on: only the completion text crosses policies, each consumer puts its own
+prompt ids in front.
 """
 
 from __future__ import annotations
