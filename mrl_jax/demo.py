@@ -274,7 +274,7 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
     results = {p: [] for p in probes}
     warm_eval = []
     bar = Progress(s.seeds * len(probes) * s.rounds, title="demo")
-    with RewardScorer([task_reward(task)]) as scorer:
+    with RewardScorer([task_reward(task)]) as scorer, bar:   # the bar stops on an error too
         for seed in range(s.seeds):
             params = _warm_params(first, seed, s)
             warm_state = RunState(policies=tuple(PolicyState(params=p, opt_state=None) for p in params),
@@ -301,7 +301,6 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
         for k in ("rollout", "decode", "rewards", "see", "thl", "update")}
     summary["verdict"] = _verdict(summary, names)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
-    bar.close()
     summary["periodic_eval"] = _eval_cost(results, s, summary["wall_s"])
     md = ["# mrl demo", "", f"Held-out greedy success after {s.rounds} RL rounds ({s.prompts_per_round} prompts × "
           f"{s.num_generations} samples), mean ± std over {s.seeds} seed(s). own/foreign = the fact-table part the "

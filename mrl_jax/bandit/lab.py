@@ -140,18 +140,18 @@ def run(out_dir: str, quick: bool = False, seed: int = 0, config: Optional[LabCo
     grid = cfg.grid()
     results, curves = [], {}
     sizes = sorted({s["G"] for s in grid})
-    bar = Progress(len(cfg.probes) * len(sizes), title="bandit", unit="setting", enabled=verbose)
-    for name in cfg.probes:
-        spec = LP.get(name)
-        for G in sizes:
-            sig = [s["sigma"] for s in grid if s["G"] == G]
-            t = time.time()
-            bar.start(f"{name} G={G}")
-            rows = _setting_rows(env, name, spec, G, sig, cfg, seed, curves)
-            results += rows
-            bar.done(f"sigmas={sig}: support " + " ".join(f"{r['support']:.3f}" for r in rows) + " final reward "
-                     + " ".join(f"{r['final_reward']:.3f}" for r in rows) + f" ({time.time() - t:.1f}s)")
-    bar.close()
+    with Progress(len(cfg.probes) * len(sizes), title="bandit", unit="setting", enabled=verbose) as bar:
+        for name in cfg.probes:
+            spec = LP.get(name)
+            for G in sizes:
+                sig = [s["sigma"] for s in grid if s["G"] == G]
+                t = time.time()
+                bar.start(f"{name} G={G}")
+                rows = _setting_rows(env, name, spec, G, sig, cfg, seed, curves)
+                results += rows
+                bar.done(f"sigmas={sig}: support " + " ".join(f"{r['support']:.3f}" for r in rows)
+                         + " final reward " + " ".join(f"{r['final_reward']:.3f}" for r in rows)
+                         + f" ({time.time() - t:.1f}s)")
     head = {"G": cfg.headline_G, "sigma": float(cfg.headline_sigma)}
     probes = {}
     for name in cfg.probes:
