@@ -19,22 +19,22 @@ from mrl_jax.trainer.trackers import tracker_name, tracker_scalars  # noqa: E402
 ROUNDS = [{"a": {"reward/mean": 0.25, "reward/std": 0.1, "reward_std": 0.2, "kl": 0.01, "entropy": 2.5,
                  "clip_ratio/low_mean": 0.05, "completion/mean_length": 5.5, "completion/truncated": 0.5,
                  "reward/faulty/mean": 0.3, "sgt/rows_fired": 2.0, "frac_reward_zero_std": 0.75}},
-          {"a": {"reward/mean": 0.5, "reward/std": 0.2, "kl": 0.02, "entropy": 2.0, "clip_ratio/low_mean": 0.0,
+          {"a": {"reward/mean": 0.5, "reward/std": 0.2, "reward_std": 0.3, "kl": 0.02, "entropy": 2.0, "clip_ratio/low_mean": 0.0,
                  "completion/mean_length": 6.0, "completion/truncated": 1.0, "frac_reward_zero_std": 0.25}}]
-TRL = {"a/reward": "reward/mean", "a/reward_std": "reward/std", "a/kl": "kl", "a/entropy": "entropy",
+TRL = {"a/reward": "reward/mean", "a/reward_std": "reward_std", "a/kl": "kl", "a/entropy": "entropy",
        "a/clip_ratio/low_mean": "clip_ratio/low_mean", "a/completions/mean_length": "completion/mean_length",
        "a/completions/clipped_ratio": "completion/truncated", "a/frac_reward_zero_std": "frac_reward_zero_std"}
 
 
 def test_trl_names_for_the_same_concepts_and_the_rest_unchanged():
-    assert tracker_name("reward/mean") == "reward" and tracker_name("reward/std") == "reward_std"
+    assert tracker_name("reward/mean") == "reward" and tracker_name("reward_std") == "reward_std"
+    assert tracker_name("reward/std") == "reward/std"  # the batch-wide std is not TRL's reward_std
     assert tracker_name("completion/mean_length") == "completions/mean_length"
     assert tracker_name("reward/faulty/mean") == "rewards/faulty/mean"
     assert tracker_name("reward/success_rate") == "reward/success_rate"
     assert tracker_name("sgt/rows_fired") == "sgt/rows_fired"
     s = tracker_scalars(ROUNDS[0])
-    assert s["a/reward"] == 0.25 and s["a/reward_std"] == 0.1
-    assert s["a/mrl/reward_std"] == 0.2  # the learner's own reward_std does not overwrite TRL's name
+    assert s["a/reward"] == 0.25 and s["a/reward_std"] == 0.2 and s["a/reward/std"] == 0.1
     assert s["a/rewards/faulty/mean"] == 0.3 and s["a/sgt/rows_fired"] == 2.0
     assert "a/reward/mean" not in s
 
@@ -141,5 +141,5 @@ def test_wandb_offline_writes_a_run_with_the_logged_keys(tmp_path, monkeypatch):
         for name, key in TRL.items():
             assert history[step][name] == pytest.approx(m["a"][key]), (step, name)
         assert history[step]["a/eval/success"] == 0.5 + step
-    assert history[0]["a/mrl/reward_std"] == 0.2 and history[0]["a/sgt/rows_fired"] == 2.0
+    assert history[0]["a/reward/std"] == 0.1 and history[0]["a/sgt/rows_fired"] == 2.0
     assert config["rounds"] == 2 and config["seed"] == 0  # the run config

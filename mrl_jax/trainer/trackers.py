@@ -24,7 +24,9 @@ REPORT_TO = ("tensorboard", "jsonl", "wandb")
 # internal metric key -> TRL GRPOTrainer log name (same concept)
 TRL_NAMES = {
     "reward/mean": "reward",
-    "reward/std": "reward_std",
+    # the learner's reward_std is TRL's (mean over prompts of the group std); the scorer's reward/std is the
+    # std over every reward of the round and keeps its own name
+    "reward_std": "reward_std",
     "frac_reward_zero_std": "frac_reward_zero_std",
     "kl": "kl",
     "entropy": "entropy",
@@ -52,7 +54,7 @@ def tracker_name(key: str) -> str:
 
 def tracker_scalars(per_policy: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """``{"<policy>/<tracker name>": float}`` of every finite-or-nan number; an unmapped key that collides
-    with a TRL name (e.g. the learner's own ``reward_std``) is kept as ``<policy>/mrl/<key>``."""
+    with a TRL name is kept as ``<policy>/mrl/<key>``."""
     out: dict[str, float] = {}
     for policy, metrics in per_policy.items():
         names = {k: tracker_name(k) for k in metrics}
