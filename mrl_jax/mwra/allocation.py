@@ -207,6 +207,7 @@ def plan(
     memory_bytes: int | None = None,
     activation_bytes: Sequence[int] | None = None,
     time_share: str = "pack",
+    assign: Sequence[Any] | None = None,
 ) -> Plan:
     """Decide which devices each policy gets (no device is touched; fake device objects with ``.id`` work).
 
@@ -219,6 +220,9 @@ def plan(
       memory_bytes: per-device memory limit; when given, a plan whose estimate exceeds it raises.
       activation_bytes: per-policy activation bytes (whole batch) overriding the default estimate.
       time_share: "pack" or "full" -- what to do when devices < policies (see module doc).
+      assign: per-policy overrides: ``None`` (sized by cost), an int (that many devices) or a sequence of
+        device ids (exactly those). Id lists are taken first; counts and cost-sized policies share the
+        remaining devices in order (the cost-sized ones proportionally to cost, at least one each).
     Raises:
       ValueError naming the fix for: empty/non-positive/non-finite costs, no devices, mismatched lengths,
       an unknown ``time_share``, or a policy that cannot fit ``memory_bytes``.
@@ -256,7 +260,11 @@ def plan(
 
     D = len(devices)
     ids = [d.id for d in devices]
-    if D >= n:
+    if assign is not None and any(a is not None for a in assign):
+        if len(assign) != n:
+            raise ValueError(f"assign has {len(assign)} entries for {n} costs: give one per policy (None = by cost)")
+        mode, groups = "disjoint", _assigned_groups(assign, ids, costs, names)
+    elif D >= n:
         mode = "disjoint"
         sizes = proportional_split(costs, D)
         groups, start = [], 0
@@ -320,6 +328,50 @@ def plan(
     return Plan(policies=tuple(policies), axis_names=axis_names, mode=mode, num_devices=D, platform=platform,
                 memory_limit_bytes=None if memory_bytes is None else int(memory_bytes),
                 device_memory_bytes=dev_mem, _devices=tuple(devices))
+
+
+def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
+    """Device ids per policy under explicit overrides (see `plan`'s ``assign``); errors name the policy."""
+    n = len(assign)
+    groups: list = [None] * n
+    claimed: dict[int, str] = {}
+    known = set(ids)
+    for k, a in enumerate(assign):
+        if a is None or isinstance(a, (int, np.integer)):
+            continue
+        want = [int(i) for i in a]
+        if not want:
+            raise ValueError(f"policy {names[k]!r}: empty device id list")
+        for i in want:
+            if i not in known:
+                raise ValueError(f"policy {names[k]!r}: device id {i} does not exist (devices: {_ids(ids)})")
+            if i in claimed:
+                raise ValueError(f"policy {names[k]!r}: device {i} is also given to policy {claimed[i]!r}; "
+                                 "sub-meshes must not overlap")
+            claimed[i] = names[k]
+        groups[k] = want
+    free = [i for i in ids if i not in claimed]
+    counted = {k: int(a) for k, a in enumerate(assign) if isinstance(a, (int, np.integer))}
+    auto = [k for k in range(n) if assign[k] is None]
+    for k, c in counted.items():
+        if c < 1:
+            raise ValueError(f"policy {names[k]!r}: device count {c} must be >= 1")
+    need = sum(counted.values()) + len(auto)
+    if need > len(free):
+        raise ValueError(f"the device overrides need {sum(counted.values())} device(s) by count plus one per "
+                         f"cost-sized policy ({len(auto)}) but only {len(free)} of {len(ids)} remain after the id "
+                         "lists: lower the counts or add devices")
+    start = 0
+    for k in range(n):
+        if k in counted:
+            groups[k] = free[start:start + counted[k]]
+            start += counted[k]
+    rest = free[start:]
+    if auto:
+        sizes = proportional_split([costs[k] for k in auto], len(rest))
+        for k, s in zip(auto, sizes):
+            groups[k], rest = rest[:s], rest[s:]
+    return groups
 
 
 def allocate(

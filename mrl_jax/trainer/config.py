@@ -8,7 +8,7 @@ checkpoints, evaluation, reward isolation). ``mrl config-help`` prints every key
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from mrl_jax.configs import check, field
 from mrl_jax.learner import GRPOConfig
@@ -165,6 +165,10 @@ class PolicySpec:
         0, help="prompt token limit of this policy (template and BOS included); 0 = the model's context "
                 "(max_position_embeddings) minus sampling.max_new_tokens. Longer prompts are handled as the "
                 "run's overlong_prompts says")
+    devices: Union[int, list[int], None] = field(
+        None, help="MWRA override: a device count (taken from the devices no explicit id list claims) or a list "
+                   "of device ids (jax.devices() ids) for this policy's mesh; None = sized by cost")
+    cost: float = field(0.0, help="MWRA cost override (only ratios matter); 0 = parameters x tokens per round")
 
     def __post_init__(self):
         check(self.prompt_format == "chat" or "{prompt}" in self.prompt_template, "prompt_template",
@@ -172,6 +176,13 @@ class PolicySpec:
         check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
               "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
+        check(self.cost >= 0, "cost", f"must be >= 0 (0 = automatic), got {self.cost}")
+        if isinstance(self.devices, int):
+            check(self.devices >= 1, "devices", f"a device count must be >= 1, got {self.devices}")
+        elif self.devices is not None:
+            check(len(self.devices) >= 1, "devices", "an id list needs at least one device id")
+            check(len(set(self.devices)) == len(self.devices), "devices", f"ids repeat in {list(self.devices)}")
+            check(all(i >= 0 for i in self.devices), "devices", f"ids must be >= 0, got {list(self.devices)}")
         check("|" not in self.probes, "probes",
               f"{self.probes!r}: '|' builds a probes.switch (one compile over several chains, for library use); "
               "a run trains one chain per policy: name it with '+' (e.g. 'xgrpo+sgt')")
@@ -224,6 +235,46 @@ class SeeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MwraSpec:
+    """MWRA: how the run's policies are placed on the devices (mrl_jax.mwra; docs/multihost.md)."""
+
+    devices: Union[Literal["all"], int] = field(
+        "all", help="devices the plan uses: 'all' = jax.devices() (every process's after a multi-host start), "
+                    "or the first N of them (ordered by process, id)")
+    time_share: Literal["pack", "full"] = field(
+        "pack", help="fewer devices than policies: pack = one device each, packed greedily by cost (equal costs: "
+                     "policy i on device i % D); full = every policy on the whole mesh (one after the other)")
+    rules: list[list[Any]] = field(
+        default_factory=list,
+        help="sharding rules [[path regex, spec], ...] tried before the defaults, first match wins; spec = "
+             "'fsdp' (largest divisible dim over the data axis), 'replicated', or a PartitionSpec as a list "
+             "(e.g. [null, 'data']). Paths look like 'layers/0/attn/q_proj/kernel'")
+    min_size: int = field(1 << 16, help="leaves with fewer elements are replicated whatever the rules say")
+    memory_gb: float = field(0.0, help="per-device memory (GiB) the plan's estimate must fit; 0 = what the device "
+                                       "reports (accelerators), no check where it reports nothing (CPU)")
+
+    def __post_init__(self):
+        if not isinstance(self.devices, str):
+            check(self.devices >= 1, "devices", f"must be 'all' or a count >= 1, got {self.devices}")
+        check(self.min_size >= 0, "min_size", f"must be >= 0, got {self.min_size}")
+        check(self.memory_gb >= 0, "memory_gb", f"must be >= 0 (0 = the device's own figure), got {self.memory_gb}")
+        for i, rule in enumerate(self.rules):
+            check(isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str), f"rules[{i}]",
+                  f"expected [path regex, spec], got {rule!r}")
+            spec = rule[1]
+            ok = spec in ("fsdp", "replicated") or (isinstance(spec, (list, tuple)) and all(
+                e is None or isinstance(e, str) or (isinstance(e, (list, tuple)) and all(isinstance(a, str) for a in e))
+                for e in spec))
+            check(ok, f"rules[{i}]", f"spec {spec!r}: use 'fsdp', 'replicated' or a list of axis names / null")
+            try:
+                import re
+
+                re.compile(rule[0])
+            except re.error as e:
+                check(False, f"rules[{i}]", f"bad regex {rule[0]!r}: {e}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """An MRL run."""
 
@@ -234,6 +285,7 @@ class RunConfig:
     prompts_per_round: int = field(32, help="prompts per round")
     num_generations: int = field(8, help="completions per prompt per policy (G)")
     see: SeeSpec = field(default_factory=SeeSpec, help="shared experience")
+    mwra: MwraSpec = field(default_factory=MwraSpec, help="device placement of the policies (MWRA)")
     checkpoint_every: int = field(10, help="rounds between checkpoints")
     keep_checkpoints: int = field(2, help="complete checkpoints kept")
     eval_every: int = field(0, help="rounds between held-out evaluations; 0 = only at the end")
@@ -269,6 +321,13 @@ class RunConfig:
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
         for key in ("eval_every", "max_reward_failures"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        claimed: dict[int, str] = {}
+        for p in self.policies:
+            if isinstance(p.devices, list):
+                for d in p.devices:
+                    check(d not in claimed, f"policies.{p.name}.devices",
+                          f"device {d} is also given to policy {claimed.get(d)!r}: sub-meshes must not overlap")
+                    claimed[d] = p.name
         for i, p in enumerate(self.policies):
             bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
                                        tau=self.see.success_threshold)

@@ -24,6 +24,7 @@ from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.metrics import RunLog
+from mrl_jax.trainer.placement import Placement, make_placement, pin_policy, placement_summary
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
 from mrl_jax.trainer.reference import initial_reference
 from mrl_jax.trainer.round import RunState, ViewShape, run_round
@@ -54,7 +55,10 @@ def task_corpus(task: Task) -> list[str]:
 class Run:
     """The built pieces of a run: task, policies (static) and the initial state."""
 
-    def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None, warm: bool = True):
+    def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None, warm: bool = True,
+                 place: bool = True, devices: Sequence | None = None):
+        """``place``: plan the devices (MWRA, ``cfg.mwra``; ``devices`` defaults to ``jax.devices()``), put each
+        policy's state on its mesh and pin its steps there; False = everything on the default device."""
         self.cfg = cfg
         self.task = task or build_task(cfg)
         self.train_prompts = self.task.train_prompts()
@@ -80,6 +84,13 @@ class Run:
             self.policies.append(pol)
             states.append(st)
         self._fit_prompts()
+        self.placement: Placement | None = None
+        if place:
+            self.placement = make_placement(cfg, [param_count(s) for s in states], self._mean_prompt_tokens(),
+                                            devices)
+            states = [self.placement.place(i, s) for i, s in enumerate(states)]
+            self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, states[i]),
+                                        cfg.num_generations) for i, p in enumerate(self.policies)]
         max_src = max(p.sampling.max_new_tokens for p in self.policies)
         see = see_lib.init(cfg.see.capacity, text_budget(cfg.see.max_text_bytes, self.policies), max_src,
                            len(self.policies),
@@ -89,6 +100,19 @@ class Run:
         self.view_shape = ViewShape(peer_rollouts=cfg.see.peer_rollouts_per_prompt,
                                     peer_successes=cfg.see.peer_successes_per_prompt,
                                     own_successes=cfg.see.own_successes_per_prompt)
+
+    def _mean_prompt_tokens(self, sample: int = 256) -> list[float]:
+        """Mean prompt tokens per policy over (up to ``sample``) train prompts: the cost model's prompt part."""
+        texts = [p.text for p in self.train_prompts[:sample]]
+        if not texts:
+            return [0.0] * len(self.policies)
+        return [float(v) for v in self._prompt_lengths(texts).mean(axis=0)]
+
+    def place(self, state: RunState) -> RunState:
+        """``state`` (e.g. restored from a checkpoint, host arrays) with every policy's arrays on its mesh."""
+        if self.placement is None:
+            return state
+        return state.replace(policies=tuple(self.placement.place(i, s) for i, s in enumerate(state.policies)))
 
     def sft_draw(self, part: str | None):
         """Warm-start batches: the mixture's weighted draw (a small fact table is not drowned), else uniform."""
@@ -299,6 +323,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         if resume and latest is not None:
             _warn_config_changes(out, cfg)
             state, meta = ckpt.restore(run.state)
+            state = run.place(state)
             start = int(meta["round"]) + 1
     except BaseException:
         ckpt.close()
@@ -309,6 +334,12 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
     if resume:
         log.truncate_after(start - 1)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    if run.placement is not None:
+        plan = run.placement.plan
+        if progress:
+            print(str(plan), flush=True)
+        (out / "plan.txt").write_text(str(plan) + "\n")
+        (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     recorder = _LastInputs()
     policies = [recorder.wrap(p) for p in run.policies]
     skipped = {p.name: 0 for p in run.policies}
@@ -352,6 +383,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
     summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None, "prompts": run.prompt_stats,
                "policies": {p.name: {"params": param_count(s), "eval": final[p.name]}
                             for p, s in zip(run.policies, state.policies)}}
+    if run.placement is not None:
+        summary["plan"] = run.placement.to_dict()
+        for name, pl in placement_summary(run.placement, state.policies).items():
+            summary["policies"][name]["placement"] = pl
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -372,6 +407,7 @@ def evaluate_from_yaml(config_path, run_dir) -> dict:
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
         state, meta = ckpt.restore(run.state)
+        state = run.place(state)
     finally:
         ckpt.close()
     return {"round": meta["round"], "eval": run.evaluate(state, cfg.eval_prompts)}

@@ -48,6 +48,8 @@ class Policy:
     update: Callable  # (params, opt_state, Batch, SeeView, key) -> (params, opt_state, metrics)
     ref_logp: Optional[Callable] = None  # (ref_params, Batch) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
+    mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
+    rollout: Optional[Callable] = None  # (params, prompt_ids, prompt_mask, key) -> Rollout, jitted for ``mesh``
 
     @property
     def name(self) -> str:

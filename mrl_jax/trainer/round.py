@@ -7,12 +7,20 @@
 ``run_round(policies, state, prompts, ...) -> (state, metrics, samples)`` has no hidden state: the
 arrays come in through ``RunState`` and go out in a new one. Wall time is split per phase in
 ``metrics[name]["time/<phase>"]``.
+
+Placement (MWRA, `mrl_jax.trainer.placement`): a policy with a ``mesh`` has its rollout and update jitted for
+that mesh. Its prompt rows are padded to a multiple of the data axis with copies of the last prompt (their
+samples are dropped on the host: the sampler's noise per row does not depend on the row count, so the real
+rows are those of an unpadded run). The update batch is put on the mesh explicitly, rows split over the data
+axis where P and P*G divide it and replicated otherwise (own GRPO rows are not padded: a padding group would
+enter the group / batch statistics and the per-sequence denominators); the consumer's SEE view goes there by
+``mwra.to_mesh`` via the host. Nothing crosses meshes implicitly (``device_guard="disallow"`` proves it).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Sequence
 
 import jax
@@ -20,12 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
 from mrl_jax.learner import Batch
 from mrl_jax.rollout import generate
 from mrl_jax.tasks import Prompt
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
+from mrl_jax.trainer.placement import pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
 from mrl_jax.trainer.reference import maybe_sync
 
@@ -99,14 +109,43 @@ def _mean_metrics(dicts: list[dict], prefix: str) -> dict:
     return out
 
 
-def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, key, round_index: int):
-    """``num_iterations`` updates of one policy on its batch (reference synced as TRL's callback would)."""
+def _replicated(pol: Policy, x):
+    """``x`` (a key, a scalar) put on ``pol``'s mesh, replicated (explicit); unchanged without a mesh."""
+    if pol.mesh is None:
+        return x
+    return mwra.put(x, jax.sharding.NamedSharding(pol.mesh, mwra.REPLICATED))
+
+
+def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key, G: int):
+    """Launch policy ``pol``'s rollout (not awaited). On a mesh: prompt rows padded to a multiple of the data
+    axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly."""
+    if pol.mesh is None or pol.rollout is None:
+        return generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), key, pol.sampling,
+                        num_samples=G)
+    pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
+    rows = mwra.batch_sharding(pol.mesh)
+    return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
+
+
+def _trim(out, rows: int):
+    """The first ``rows`` rows of a fetched rollout (drops the padding prompts' samples)."""
+    return jax.tree.map(lambda x: x[:rows], out)
+
+
+def _iteration_keys(pol: Policy, key) -> list:
+    """The keys of ``pol``'s ``num_iterations`` updates (``fold_in(key, it)``), on its mesh."""
+    return [_replicated(pol, jax.random.fold_in(key, it)) for it in range(pol.spec.grpo.num_iterations)]
+
+
+def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, keys: Sequence, round_index: int):
+    """``num_iterations`` updates of one policy on its batch (reference synced as TRL's callback would);
+    ``keys``: one per iteration (`_iteration_keys`)."""
     params, opt_state, ref = ps.params, ps.opt_state, ps.ref_params
     mu = pol.spec.grpo.num_iterations
-    skipped = 0.0
+    skipped = None
     for it in range(mu):
-        params, opt_state, m = pol.update(params, opt_state, batch, view, jax.random.fold_in(key, it))
-        skipped = skipped + m["skipped"]
+        params, opt_state, m = pol.update(params, opt_state, batch, view, keys[it])
+        skipped = m["skipped"] if skipped is None else skipped + m["skipped"]   # on the mesh: no transfer
         ref = maybe_sync(pol.spec, params, ref, round_index * mu + it + 1)
     m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
     return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
@@ -114,22 +153,39 @@ def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, key, round_
 
 def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Prompt], dense_ids: np.ndarray, *,
               scorer, key: jax.Array, round_index: int, num_generations: int, view_shape: ViewShape,
-              num_samples_logged: int = 2) -> tuple[RunState, dict, list]:
-    """Run one round for every policy on ``prompts`` (dense SEE prompt ids ``dense_ids int32[P]``)."""
+              num_samples_logged: int = 2, device_guard: str | None = None) -> tuple[RunState, dict, list]:
+    """Run one round for every policy on ``prompts`` (dense SEE prompt ids ``dense_ids int32[P]``).
+
+    Concurrency: every policy's rollout is dispatched before any result is read, every update before any
+    metric is read, and the metrics are fetched once. Per-policy timestamps (seconds since the round began)
+    go to ``time/rollout_dispatched``, ``time/rollout_read`` (reading its result begins), ``time/rollout_ready``
+    (result on the host), ``time/update_dispatched``, ``time/update_read`` and ``time/update_ready``; a first
+    round traces and compiles inside each dispatch, so overlap shows from the second round on. ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around
+    the device parts (rollout and update dispatch); every transfer there is an explicit ``mwra.put``.
+    """
     G, P = num_generations, len(prompts)
     timer = PhaseTimer()
+    t0 = time.perf_counter()
+    stamps = {pol.name: {} for pol in policies}
+    guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     texts = [p.text for p in prompts]
     rep_prompts = [p for p in prompts for _ in range(G)]
-    keys = jax.random.split(key, 2 * len(policies))
+    keys = list(jax.random.split(key, 2 * len(policies)))   # indexed here, outside any transfer guard
 
     with timer("rollout"):
         launched = []
         for pol, ps in zip(policies, state.policies):
             ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts)   # [P, Tp]: prefilled once
-            out = generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), keys[pol.index],
-                           pol.sampling, num_samples=G)
+            with guard():
+                out = _dispatch_rollout(pol, ps, ids, mask, keys[pol.index], G)
+            stamps[pol.name]["rollout_dispatched"] = time.perf_counter() - t0
             launched.append((ids, mask, out))
-        rollouts = [(ids, mask, jax.device_get(out)) for ids, mask, out in launched]
+        rollouts = []
+        for pol, (ids, mask, out) in zip(policies, launched):
+            stamps[pol.name]["rollout_read"] = time.perf_counter() - t0
+            out = _trim(jax.device_get(out), P * G)
+            stamps[pol.name]["rollout_ready"] = time.perf_counter() - t0
+            rollouts.append((ids, mask, out))
 
     with timer("decode"):
         decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
@@ -168,19 +224,39 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
                 view = view.replace(peer_stats=jnp.asarray(stats))
             views.append(view)
 
+    with timer("stage"):   # every policy's inputs on its mesh before any update is dispatched
+        staged = []
+        for pol, (ids, mask, out), sc, view in zip(policies, rollouts, scores, views):
+            if pol.mesh is None:
+                batch = Batch(prompt_ids=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
+                              completion_ids=jnp.asarray(out.tokens),
+                              completion_mask=jnp.asarray(out.mask, jnp.float32),
+                              old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
+                              rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
+            else:   # host numpy -> the policy's mesh, rows split over the data axis where they divide it
+                batch = mwra.shard_batch(Batch(
+                    prompt_ids=np.asarray(ids), prompt_mask=np.asarray(mask), completion_ids=np.asarray(out.tokens),
+                    completion_mask=np.asarray(out.mask, np.float32), old_logp=np.asarray(out.logprobs),
+                    ref_logp=np.zeros(out.logprobs.shape, np.float32), rewards=np.asarray(sc.rewards, np.float32),
+                    truncated=np.asarray(out.truncated)), pol.mesh, strict=False)
+                view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
+            staged.append((batch, view, _iteration_keys(pol, keys[len(policies) + pol.index])))
+
     with timer("update"):
         new_states, raw_metrics = [], []
-        for pol, ps, (ids, mask, out), sc, view in zip(policies, state.policies, rollouts, scores, views):
-            batch = Batch(prompt_ids=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
-                          completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
-                          old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
-                          rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
-            if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
-                batch = batch.replace(ref_logp=pol.ref_logp(ps.ref_params, batch))
-            new_state, m = _update_policy(pol, ps, batch, view, keys[len(policies) + pol.index], round_index)
+        for pol, ps, (batch, view, ukeys) in zip(policies, state.policies, staged):
+            with guard():
+                if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
+                    batch = batch.replace(ref_logp=pol.ref_logp(ps.ref_params, batch))
+                new_state, m = _update_policy(pol, ps, batch, view, ukeys, round_index)
+            stamps[pol.name]["update_dispatched"] = time.perf_counter() - t0
             new_states.append(new_state)
             raw_metrics.append(m)
-        raw_metrics = jax.device_get(raw_metrics)
+        for pol, m in zip(policies, raw_metrics):
+            stamps[pol.name]["update_read"] = time.perf_counter() - t0
+            jax.block_until_ready(m)
+            stamps[pol.name]["update_ready"] = time.perf_counter() - t0
+        raw_metrics = jax.device_get(raw_metrics)   # the round's one metrics fetch
 
     metrics, samples = {}, []
     for pol, (_, _, out), (comp_texts, _), sc, upd, info in zip(
@@ -194,6 +270,7 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
         m.update({f"see/{k}": float(np.asarray(v)) for k, v in info.items()})
         m.update(_mean_metrics(thl_metrics[pol.index], "thl/"))
         m.update({f"time/{k}": v for k, v in timer.times.items()})
+        m.update({f"time/{k}": v for k, v in stamps[pol.name].items()})
         # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
         # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
         m["groups"] = {"prompt_ids": [p.id for p in prompts], "rewards": r.tolist(), "tau": float(see.tau)}

@@ -1,0 +1,213 @@
+"""MWRA in ``mrl train``: the plan of a run, each policy's state on its own mesh, steps jitted for that mesh.
+
+At start `make_placement` computes `mwra.plan` from each policy's cost (parameters x tokens per round, or the
+policy's ``cost`` override) over ``jax.devices()`` (``mwra.devices``: all, or the first N), honouring the
+per-policy ``devices`` overrides, and checks the memory estimate against the per-device memory
+(``mwra.memory_gb``, else what the device reports). Errors are one line naming the config key.
+
+`Placement.place(i, state)` puts policy i's params, optimizer state and reference params (when held) on
+its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FSDP for large leaves,
+replicated below ``mwra.min_size`` elements). `pin_policy` gives the policy its mesh-pinned steps:
+
+* ``rollout(params, prompt_ids, prompt_mask, key)``: `mrl_jax.rollout.generate` with ``num_samples=G``, the
+  prompt rows sharded over the data axis (the caller pads them to ``data_size``, see `pad_rows`), the
+  outputs row-sharded on the same mesh;
+* ``update(params, opt_state, batch, view, key)``: the policy's update with params / opt state kept as
+  placed (``out_shardings``) and donated; the batch and view are put on the mesh explicitly by the round
+  (rows sharded where they divide the data axis, replicated otherwise -- own GRPO rows cannot be padded
+  without changing the group statistics, see the module doc of `mrl_jax.trainer.round`).
+
+Everything crossing meshes or host <-> device goes through `mwra.put` / `mwra.to_mesh` (explicit
+``device_put``), so a round runs under ``jax.transfer_guard("disallow")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mrl_jax import mwra
+from mrl_jax.configs import ConfigError
+from mrl_jax.rollout import generate
+
+_GIB = float(1 << 30)
+
+
+def config_rules(rules: Sequence[Sequence[Any]]) -> tuple:
+    """``mwra.rules`` from the config (``[[regex, 'fsdp' | 'replicated' | [axes...]], ...]``) followed by the
+    defaults, as `mwra.spec_for` takes them."""
+    out = []
+    for pattern, spec in rules:
+        if spec == "fsdp":
+            s = mwra.FSDP
+        elif spec == "replicated":
+            s = mwra.REPLICATED
+        else:
+            s = PartitionSpec(*[tuple(e) if isinstance(e, (list, tuple)) else e for e in spec])
+        out.append((str(pattern), s))
+    return tuple(out) + tuple(mwra.DEFAULT_RULES)
+
+
+def device_memory_bytes(devices: Sequence[Any]) -> Optional[int]:
+    """The smallest per-device memory limit the devices report (accelerators), None where none reports."""
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 -- CPU devices raise or return None
+            stats = {}
+        if stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def run_devices(mwra_spec, devices: Optional[Sequence[Any]] = None) -> list:
+    """The devices a run plans over: ``jax.devices()`` ordered by (process, id), all or the first N."""
+    devs = sorted(jax.devices() if devices is None else list(devices),
+                  key=lambda d: (getattr(d, "process_index", 0), d.id))
+    want = mwra_spec.devices
+    if want == "all":
+        return devs
+    if want > len(devs):
+        raise ConfigError(f"config key 'mwra.devices': {want} devices requested but only {len(devs)} exist "
+                          f"({devs[0].platform if devs else 'no'} devices); lower it or use 'all'")
+    return devs[:want]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A run's plan, one mesh per policy, and the sharding rules."""
+
+    plan: mwra.Plan
+    meshes: tuple
+    rules: tuple
+    min_size: int
+
+    def data_size(self, i: int) -> int:
+        """Devices on policy i's data axis (the multiple its rollout rows are padded to)."""
+        return int(self.meshes[i].devices.size)
+
+    def shardings(self, i: int, state) -> Any:
+        """``state``-shaped `NamedSharding` tree for policy i (a ``PolicyState``: params by the rules, opt state
+        mirroring them, ref params as params)."""
+        mesh = self.meshes[i]
+        ps = mwra.param_shardings(state.params, mesh, self.rules, min_size=self.min_size)
+        os = mwra.opt_state_shardings(state.opt_state, ps, mesh)
+        rs = None if state.ref_params is None else mwra.param_shardings(state.ref_params, mesh, self.rules,
+                                                                        min_size=self.min_size)
+        return state.replace(params=ps, opt_state=os, ref_params=rs)
+
+    def place(self, i: int, state):
+        """Policy i's ``PolicyState`` on its mesh (host values or arrays on any device)."""
+        sh = self.shardings(i, state)
+        return state.replace(params=mwra.put(state.params, sh.params),
+                             opt_state=mwra.put(state.opt_state, sh.opt_state),
+                             ref_params=None if state.ref_params is None else mwra.put(state.ref_params,
+                                                                                     sh.ref_params))
+
+    def to_dict(self) -> dict:
+        return self.plan.to_dict()
+
+
+def policy_cost(spec, params: int, prompts_per_round: int, num_generations: int, prompt_tokens: float) -> float:
+    """Parameters x tokens per round (prompt + completion tokens of the P x G rollouts), or ``spec.cost``."""
+    if spec.cost > 0:
+        return float(spec.cost)
+    tokens = prompts_per_round * num_generations * (float(prompt_tokens) + spec.sampling.max_new_tokens)
+    return float(params) * max(tokens, 1.0)
+
+
+def plan_run(cfg, param_counts: Sequence[int], prompt_tokens: Sequence[float],
+             devices: Optional[Sequence[Any]] = None) -> mwra.Plan:
+    """The run's `mwra.Plan` (no device touched: fake devices with ``.id`` work); ``ConfigError`` naming the
+    key for every infeasible request (overlapping or unknown ids, more devices than exist, no fit)."""
+    specs = cfg.policies
+    names = [s.name for s in specs]
+    devs = run_devices(cfg.mwra, devices)
+    costs = [policy_cost(s, n, cfg.prompts_per_round, cfg.num_generations, t)
+             for s, n, t in zip(specs, param_counts, prompt_tokens)]
+    assign = [s.devices for s in specs]
+    if cfg.mwra.memory_gb:
+        memory = int(cfg.mwra.memory_gb * _GIB)
+        mem_key = "mwra.memory_gb"
+    else:
+        memory = device_memory_bytes(devs)
+        mem_key = "mwra.memory_gb (0 = the device's reported memory)"
+    try:
+        p = mwra.plan(costs, devs, [int(n) for n in param_counts], names, memory_bytes=memory,
+                      time_share=cfg.mwra.time_share, assign=assign if any(a is not None for a in assign) else None)
+    except ValueError as e:
+        msg = str(e)
+        if "memory_bytes" in msg:
+            raise ConfigError(f"config key '{mem_key}': {msg}") from e
+        bad = next((n for n in names if f"policy {n!r}" in msg), None)
+        key = f"policies.{bad}.devices" if bad else "policies[*].devices"
+        raise ConfigError(f"config key '{key}': {msg}") from e
+    return p
+
+
+def make_placement(cfg, param_counts: Sequence[int], prompt_tokens: Sequence[float],
+                   devices: Optional[Sequence[Any]] = None) -> Placement:
+    """`plan_run` and the meshes and rules of the run."""
+    p = plan_run(cfg, param_counts, prompt_tokens, devices)
+    rules = config_rules(cfg.mwra.rules)
+    return Placement(plan=p, meshes=tuple(p.meshes()), rules=rules, min_size=cfg.mwra.min_size)
+
+
+def param_devices(state) -> list[int]:
+    """Ids of the devices policy state's params and optimizer state occupy (read from the arrays)."""
+    return sorted(mwra.devices_of((state.params, state.opt_state)))
+
+
+def placement_summary(placement: Placement, states: Sequence[Any]) -> dict:
+    """summary.json's per-policy ``placement``: planned device ids and the ids the arrays occupy."""
+    out = {}
+    for p, s in zip(placement.plan.policies, states):
+        out[p.name] = {"devices": list(p.device_ids), "param_devices": param_devices(s)}
+        if s.ref_params is not None:
+            out[p.name]["ref_devices"] = sorted(mwra.devices_of(s.ref_params))
+    return out
+
+
+def pad_rows(n: int, multiple: int) -> int:
+    """Rows after padding ``n`` up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """``ids``/``mask`` [P, Tp] padded with copies of the last prompt to a multiple of ``multiple`` rows.
+
+    The padding rows are inactive: the round drops their samples on the host. Rows are prompt-major and the
+    sampler's noise of row b does not depend on the row count (threefry counters per element), so the real
+    rows' samples are those of an unpadded call."""
+    P = ids.shape[0]
+    extra = pad_rows(P, multiple) - P
+    if not extra:
+        return ids, mask
+    return (np.concatenate([ids, np.repeat(ids[-1:], extra, 0)]),
+            np.concatenate([mask, np.repeat(mask[-1:], extra, 0)]))
+
+
+def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
+    """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
+    ``PolicyState`` of shardings from `Placement.shardings`."""
+    rows = mwra.batch_sharding(mesh)
+    repl = NamedSharding(mesh, mwra.REPLICATED)
+    graphdef, sampling, G = policy.graphdef, policy.sampling, int(num_generations)
+
+    def _rollout(params, prompt_ids, prompt_mask, key):
+        return generate(graphdef, params, prompt_ids, prompt_mask, key, sampling, num_samples=G)
+
+    rollout = jax.jit(_rollout, out_shardings=rows)
+    inner: Callable = policy.update
+    update = jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
+                     out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
+    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update)
+
+
+__all__ = ["Placement", "config_rules", "device_memory_bytes", "make_placement", "pad_prompts", "pad_rows",
+           "param_devices", "pin_policy", "placement_summary", "plan_run", "policy_cost", "run_devices"]

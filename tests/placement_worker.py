@@ -1,0 +1,156 @@
+"""Subprocess scenarios for tests/test_placement.py: ``mrl train`` with MWRA on forced CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py main DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py restore4 DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
+
+Prints one JSON object on the last stdout line (the facts the test asserts on).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import soak  # noqa: E402
+
+soak.enable_compile_cache()
+
+from mrl_jax import mwra  # noqa: E402
+from mrl_jax.tasks import RewardScorer  # noqa: E402
+from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
+from mrl_jax.trainer.loop import Run, train  # noqa: E402
+from mrl_jax.trainer.round import run_round  # noqa: E402
+
+COSTS = {"policies.0.cost": 1.0, "policies.1.cost": 3.0}
+
+
+def cfg_of(**overrides):
+    return soak.to_run_config(soak.tiny_config(**{**COSTS, **overrides}))
+
+
+def leaves_on(state, mesh) -> bool:
+    """Every array leaf of params / opt state (/ ref) lives only on ``mesh``'s devices."""
+    ids = {d.id for d in mesh.devices.flat}
+    trees = (state.params, state.opt_state) + (() if state.ref_params is None else (state.ref_params,))
+    return all({d.id for d in x.sharding.device_set} <= ids for x in jax.tree.leaves(trees)
+               if isinstance(x, jax.Array))
+
+
+def final_params(out: Path) -> list:
+    ck = RunCheckpointer(out)
+    try:
+        tree, _ = ck.read()
+    finally:
+        ck.close()
+    return [np.asarray(x) for x in jax.tree.leaves(tree["policies"])]
+
+
+
+def metrics_rows(out: Path):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def main(root: Path) -> dict:
+    res: dict = {"num_devices": len(jax.devices())}
+    # -- placement after round 0 and after a resume (ref params too: policy 0 has beta > 0 in a built run)
+    cfg1 = cfg_of(rounds=1)
+    t = time.perf_counter()
+    s1 = train(cfg1, root / "eight", progress=False)
+    res["time_first_train_s"] = time.perf_counter() - t
+    plan = json.loads((root / "eight" / "plan.json").read_text())
+    res["plan_devices"] = [p["device_ids"] for p in plan["policies"]]
+    res["summary_plan_devices"] = [p["device_ids"] for p in s1["plan"]["policies"]]
+    res["placement_round0"] = {n: p["placement"] for n, p in s1["policies"].items()}
+    s2 = train(cfg_of(rounds=2), root / "eight", resume=True, progress=False)
+    res["placement_resumed"] = {n: p["placement"] for n, p in s2["policies"].items()}
+    res["plan_txt"] = (root / "eight" / "plan.txt").read_text()
+
+    # -- every leaf on its mesh (params, opt state, ref params) in a built run and after one round
+    run = Run(cfg_of(**{"policies.0.grpo": {"beta": 0.04}}), warm=False)
+    res["ref_held"] = run.state.policies[0].ref_params is not None
+    res["leaves_on_mesh_built"] = [leaves_on(s, m) for s, m in zip(run.state.policies, run.placement.meshes)]
+
+    # -- one whole round under transfer_guard("disallow") (device parts), timestamps of dispatch / ready
+    run = Run(cfg_of(), warm=False)
+    with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
+        prompts, dense = run.round_prompts(0)
+        state, metrics, _ = run_round(run.policies, run.state, prompts, dense, scorer=scorer, key=run.round_key(0),
+                                      round_index=0, num_generations=run.cfg.num_generations,
+                                      view_shape=run.view_shape, device_guard="disallow")
+    res["guard_round_ok"] = True
+    res["leaves_on_mesh_round0"] = [leaves_on(s, m) for s, m in zip(state.policies, run.placement.meshes)]
+    names = [p.name for p in run.policies]
+    res["stamps"] = {n: {k: v for k, v in metrics[n].items() if k.startswith("time/") and
+                         k.split("/")[1].startswith(("rollout_", "update_"))} for n in names}
+    res["names"] = names
+    try:   # the guard is real: an implicit host->device transfer into a pinned step raises
+        with jax.transfer_guard("disallow"):
+            pol = run.policies[0]
+            ids = np.zeros((4, 3), np.int32)
+            pol.rollout(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
+        res["guard_catches_implicit"] = False
+    except Exception as e:  # noqa: BLE001
+        res["guard_catches_implicit"] = "transfer" in str(e).lower() or "disallow" in str(e).lower()
+
+    # -- 8 devices vs 1 device: same round-0 metrics and final params
+    cfg2 = cfg_of(rounds=2)
+    one = dict(soak.tiny_config(**COSTS, rounds=2))
+    one["mwra"] = {"devices": 1}
+    train(cfg2, root / "eq8", progress=False)
+    train(soak.to_run_config(one), root / "eq1", progress=False)
+    plan1 = json.loads((root / "eq1" / "plan.json").read_text())
+    res["plan1_devices"] = [p["device_ids"] for p in plan1["policies"]]
+    a, b = metrics_rows(root / "eq8"), metrics_rows(root / "eq1")
+    diffs = {}
+    for ra, rb in zip(a, b):
+        if ra.get("round") != 0:
+            continue
+        for k in ("loss", "reward/mean", "kl"):
+            if k in ra:
+                diffs[f"{ra.get('policy')}/{k}"] = abs(float(ra[k]) - float(rb[k]))
+    res["round0_metric_diffs"] = diffs
+    res["round0_rows"] = sum(r.get("round") == 0 for r in a)
+    pa, pb = final_params(root / "eq8"), final_params(root / "eq1")
+    res["final_param_max_diff"] = max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb))
+    res["final_param_leaves"] = len(pa)
+    return res
+
+
+def by_path(tree) -> dict:
+    """``{path: numpy array}`` with nnx's ``value`` components dropped (the saved tree spells them out)."""
+    return {"/".join(c for c in mwra.path_str(p).split("/") if c != "value"): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def restore4(root: Path) -> dict:
+    """Restore the 8-device run's checkpoint on 4 devices: values equal, every leaf on the new plan's meshes."""
+    out = root / "eight"
+    run = Run(cfg_of(rounds=2), warm=False)
+    ck = RunCheckpointer(out)
+    try:
+        saved, meta = ck.read()
+        state, _ = ck.restore(run.state)
+    finally:
+        ck.close()
+    state = run.place(state)
+    want, got = by_path(saved["policies"]), by_path(state.policies)
+    return {"num_devices": len(jax.devices()), "round": meta["round"], "leaves": len(got),
+            "plan_devices": [list(p.device_ids) for p in run.placement.plan.policies],
+            "equal": want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want),
+            "leaves_on_mesh": [leaves_on(s, m) for s, m in zip(state.policies, run.placement.meshes)],
+            "param_devices": [sorted(mwra.devices_of((s.params, s.opt_state))) for s in state.policies]}
+
+
+if __name__ == "__main__":
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    result = {"main": main, "restore4": restore4}[mode](root)
+    print(json.dumps(result, default=str))

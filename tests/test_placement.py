@@ -1,0 +1,165 @@
+"""``mrl train`` with MWRA end to end (issue 13): the plan from the config (fake devices, in process), and in
+subprocesses with forced CPU devices (tests/placement_worker.py): placement after round 0 and after a resume,
+a round under ``jax.transfer_guard("disallow")``, dispatch order, 8-vs-1-device equivalence, and restoring an
+8-device checkpoint onto 4 devices."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import soak
+from mrl_jax.configs import ConfigError
+from mrl_jax.trainer.placement import config_rules, pad_prompts, plan_run
+
+WORKER = Path(__file__).with_name("placement_worker.py")
+REPO = WORKER.parent.parent
+
+
+class FakeDevice:
+    def __init__(self, i: int):
+        self.id, self.process_index, self.platform = i, 0, "fake"
+
+    def memory_stats(self):
+        return None
+
+
+def fakes(n):
+    return [FakeDevice(i) for i in range(n)]
+
+
+def cfg(**overrides):
+    return soak.to_run_config(soak.tiny_config(**overrides))
+
+
+# ------------------------------------------------------------------------- the plan (in process)
+def test_costs_1_3_on_8_devices_gives_2_and_6():
+    p = plan_run(cfg(**{"policies.0.cost": 1.0, "policies.1.cost": 3.0}), [1000, 1000], [5.0, 5.0], fakes(8))
+    assert [q.device_ids for q in p.policies] == [(0, 1), (2, 3, 4, 5, 6, 7)]
+    assert p.mode == "disjoint"
+
+
+def test_cost_is_params_times_tokens_per_round():
+    # 3x the parameters -> 3x the cost -> 2 and 6 devices
+    p = plan_run(cfg(), [1000, 3000], [4.0, 4.0], fakes(8))
+    assert [q.num_devices for q in p.policies] == [2, 6]
+    c = cfg()
+    assert p.policies[0].cost == 1000 * c.prompts_per_round * c.num_generations * (4.0 + 6)
+
+
+def test_device_overrides_counts_and_ids():
+    p = plan_run(cfg(**{"policies.0.devices": [6, 7], "policies.1.devices": 3}), [1, 1], [1, 1], fakes(8))
+    assert [q.device_ids for q in p.policies] == [(6, 7), (0, 1, 2)]
+    p = plan_run(cfg(**{"policies.0.devices": 1}), [1, 1], [1, 1], fakes(8))
+    assert [q.device_ids for q in p.policies] == [(0,), (1, 2, 3, 4, 5, 6, 7)]
+    p = plan_run(cfg(mwra={"devices": 4}), [1, 3], [1, 1], fakes(8))
+    assert [q.device_ids for q in p.policies] == [(0,), (1, 2, 3)]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    ({"policies.0.devices": [0, 1], "policies.1.devices": [1, 2]}, "policies.gpt2_uni.devices", "overlap"),
+    ({"policies.0.devices": [9]}, "policies.llama_bpe.devices", "does not exist"),
+    ({"policies.0.devices": 5, "policies.1.devices": 4}, "policies[*].devices", "remain"),
+    ({"mwra": {"devices": 16}}, "mwra.devices", "only 8 exist"),
+    ({"mwra": {"memory_gb": 1e-6}}, "mwra.memory_gb", "need"),
+    ({"mwra": {"rules": [["kernel", "sideways"]]}}, "mwra.rules[0]", "spec"),
+    ({"mwra": {"time_share": "spread"}}, "mwra.time_share", "not one of"),
+])
+def test_placement_errors_are_one_line_naming_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as e:
+        plan_run(cfg(**overrides), [10_000, 10_000], [4.0, 4.0], fakes(8))
+    msg = str(e.value)
+    assert f"'{key}'" in msg and words in msg and "\n" not in msg, msg
+
+
+def test_time_share_pack_on_fewer_devices():
+    three = soak.tiny_config()
+    three["policies"].append({**three["policies"][0], "name": "third"})
+    p = plan_run(soak.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
+    assert p.mode == "time_share:pack" and [q.device_ids for q in p.policies] == [(0,), (1,), (0,)]
+    three["mwra"] = {"time_share": "full"}
+    p = plan_run(soak.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
+    assert [q.device_ids for q in p.policies] == [(0, 1)] * 3
+
+
+def test_config_rules_and_padding():
+    from jax.sharding import PartitionSpec
+
+    from mrl_jax import mwra
+
+    rules = config_rules([["embed", "replicated"], ["kernel", [None, "data"]], ["head", "fsdp"]])
+    assert rules[:3] == (("embed", mwra.REPLICATED), ("kernel", PartitionSpec(None, "data")), ("head", mwra.FSDP))
+    assert rules[3:] == tuple(mwra.DEFAULT_RULES)
+    import numpy as np
+
+    ids, mask = np.arange(8).reshape(4, 2), np.ones((4, 2), bool)
+    pi, pm = pad_prompts(ids, mask, 6)
+    assert pi.shape == (6, 2) and (pi[4:] == ids[-1]).all() and (pi[:4] == ids).all() and pm.all()
+    assert pad_prompts(ids, mask, 2)[0] is ids
+
+
+# ------------------------------------------------------------------ forced devices (subprocesses)
+def _worker(mode: str, root: Path, devices: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(root)], env=env, cwd=str(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    root = tmp_path_factory.mktemp("placement")
+    return root, _worker("main", root, 8)
+
+
+def test_placement_on_8_devices_after_round0_and_resume(eight):
+    _, r = eight
+    assert r["num_devices"] == 8
+    assert r["plan_devices"] == [[0, 1], [2, 3, 4, 5, 6, 7]] == r["summary_plan_devices"]
+    for key in ("placement_round0", "placement_resumed"):
+        pl = r[key]
+        assert pl["llama_bpe"] == {"devices": [0, 1], "param_devices": [0, 1]}
+        assert pl["gpt2_uni"] == {"devices": [2, 3, 4, 5, 6, 7], "param_devices": [2, 3, 4, 5, 6, 7]}
+    assert r["ref_held"] and r["leaves_on_mesh_built"] == [True, True]
+    assert r["leaves_on_mesh_round0"] == [True, True]
+    assert "MWRA plan: 2 policies on 8 cpu device(s)" in r["plan_txt"]
+
+
+def test_round_under_transfer_guard_disallow(eight):
+    _, r = eight
+    assert r["guard_round_ok"] is True
+    assert r["guard_catches_implicit"] is True   # the guard is live: an implicit transfer would have raised
+
+
+def test_second_rollout_dispatched_before_first_result_is_read(eight):
+    _, r = eight
+    first, second = (r["stamps"][n] for n in r["names"])
+    assert second["time/rollout_dispatched"] <= first["time/rollout_read"]
+    assert second["time/update_dispatched"] <= first["time/update_read"]
+    for s in (first, second):
+        assert s["time/rollout_dispatched"] <= s["time/rollout_read"] <= s["time/rollout_ready"]
+        assert s["time/update_dispatched"] <= s["time/update_read"] <= s["time/update_ready"]
+
+
+def test_8_devices_equal_1_device(eight):
+    _, r = eight
+    assert r["plan1_devices"] == [[0], [0]]
+    assert r["round0_rows"] == 2 and len(r["round0_metric_diffs"]) == 6
+    assert max(r["round0_metric_diffs"].values()) <= 1e-5, r["round0_metric_diffs"]
+    assert r["final_param_leaves"] > 0 and r["final_param_max_diff"] <= 1e-4
+
+
+def test_restore_8_device_checkpoint_on_4_devices(eight):
+    root, _ = eight
+    r = _worker("restore4", root, 4)
+    assert r["num_devices"] == 4 and r["round"] == 1
+    assert r["plan_devices"] == [[0], [1, 2, 3]]
+    assert r["leaves"] > 0 and r["equal"] is True
+    assert r["leaves_on_mesh"] == [True, True]
+    assert r["param_devices"] == [[0], [1, 2, 3]]
