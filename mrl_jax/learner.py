@@ -97,7 +97,8 @@ class Batch:
 
 def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool = False,
                   consumer: Union[int, jax.Array] = 0, probe_index: Union[int, jax.Array] = 0,
-                  scale_rewards: str = "group", reward_eps: float = 1e-4) -> Rows:
+                  scale_rewards: str = "group", reward_eps: float = 1e-4, loss_type: str = "grpo",
+                  max_completion_length: Optional[int] = None) -> Rows:
     """Own rows from ``batch`` followed by the view's peer slots (inactive). view None -> own rows only.
 
     Own rows: pg_row 1, pg_mask = completion_mask (zeroed on truncated rows when
@@ -107,7 +108,8 @@ def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool =
     pgm = grpo.truncation_mask(cm, batch.truncated) if mask_truncated_completions else cm
     own = own_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, cm, batch.old_logp, batch.ref_logp,
                    batch.rewards, batch.truncated, consumer=consumer if view is None else view.consumer,
-                   pg_mask=pgm, scale_rewards=scale_rewards, reward_eps=reward_eps, probe_index=probe_index)
+                   pg_mask=pgm, scale_rewards=scale_rewards, reward_eps=reward_eps, loss_type=loss_type,
+                   max_completion_length=max_completion_length, probe_index=probe_index)
     if view is None:
         return own
     return concat(own, peer_rows(view, batch.prompt_ids, batch.prompt_mask))
@@ -175,7 +177,8 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         rows = assemble_rows(batch, see_view if probe.needs_peers else None,
                              mask_truncated_completions=cfg.mask_truncated_completions,
                              consumer=see_view.consumer, probe_index=probe_index,
-                             scale_rewards=cfg.scale_rewards, reward_eps=cfg.reward_eps)
+                             scale_rewards=cfg.scale_rewards, reward_eps=cfg.reward_eps, loss_type=cfg.loss_type,
+                             max_completion_length=cfg.max_completion_length)
         R = rows.num_rows
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
 

@@ -15,7 +15,9 @@ PG term is divided by its own token count and the micro-batches are averaged.
 
 Metrics (sum, count) follow TRL's definitions where the names are TRL's: ``kl``, ``ratio_mean``,
 ``clip_ratio/*`` and ``entropy`` over the policy's OWN completion tokens; peer rows have their own
-``prp/*`` figures.
+``prp/*`` figures. A probe's own PG-like term (PRP's LUFFY shaping) lives in the probe's ``loss_terms``
+and shares the PG denominator (its rows keep ``pg_row`` / ``pg_mask``), so the PG term has no probe
+branches.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from mrl_jax import grpo
 from mrl_jax.configs import check, field
-from mrl_jax.rows import OWN, Rows, chunk_gather, chunk_sums
+from mrl_jax.rows import OWN, Rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +104,16 @@ def prepare(rows: Rows, view, key, probe, cfg: GRPOConfig, peer_logp: Optional[C
 
 def pg_term(logp, rows: Rows, cfg: GRPOConfig):
     """The GRPO policy-gradient term over the rows' PG tokens: (sum, denominator, metrics). KL (beta > 0)
-    against own rows' ref_logp (peer rows: none, their k3 is 0); LUFFY shaping on rows with shaping_gamma > 0."""
+    against own rows' ref_logp (peer rows: none, their k3 is 0); metrics over own tokens."""
     own = (rows.row_kind == OWN)[:, None]
     ref = None
     if cfg.beta != 0.0:
         ref = jnp.where(own, rows.ref_logp, jax.lax.stop_gradient(logp))
-    C = rows.src_chunk_logp.shape[1]
-    cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
-    shaped = (rows.shaping_gamma > 0)[:, None] & (rows.pg_mask > 0)
     return grpo.policy_loss(logp, rows.old_logp, rows.advantages, rows.pg_mask, epsilon=cfg.epsilon,
                             epsilon_high=cfg.epsilon_high, importance_sampling_level=cfg.importance_sampling_level,
                             beta=cfg.beta, ref_logp=ref, loss_type=cfg.loss_type,
                             max_completion_length=cfg.max_completion_length, weights=rows.pg_weight,
-                            row_valid=rows.pg_row, shaping_mask=shaped,
-                            shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk),
-                            shaping_gamma=jnp.maximum(rows.shaping_gamma, 1e-12)[:, None],
-                            metrics_mask=rows.pg_mask * own)
+                            row_valid=rows.pg_row, metrics_mask=rows.pg_mask * own)
 
 
 def denominators(rows: Rows, probe, cfg: GRPOConfig) -> Denominators:

@@ -373,11 +373,13 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
             cand = cand & admit
         tok_w, tok_valid, metrics = _prp_weights(rows, cand, level, truncate, mode, gamma)
         c = cand[:, None]
+        w = tok_w * rw[:, None]
+        shaped = mode == "shaping"      # LUFFY rows: PRP's own term below; they stay in the PG denominator
         rows = rows.replace(
             pg_row=jnp.where(cand, 1.0, rows.pg_row),
             pg_mask=jnp.where(c, tok_valid, rows.pg_mask),
-            pg_weight=jnp.where(c, tok_w * rw[:, None], rows.pg_weight),
-            shaping_gamma=jnp.where(cand, gamma, rows.shaping_gamma) if mode == "shaping" else rows.shaping_gamma)
+            pg_weight=jnp.where(c, 0.0 if shaped else w, rows.pg_weight),
+            aux_weight=jnp.where(c, w, rows.aux_weight) if shaped else rows.aux_weight)
         ntok = jnp.sum(cm * c)
         metrics.update({"prp/rows": (jnp.sum(cand.astype(jnp.float32)), jnp.float32(1.0)),
                         "prp/tokens": (jnp.sum(tok_valid * c), jnp.float32(1.0)),
@@ -389,7 +391,23 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         use = (rows.row_kind == OWN) | ((rows.row_kind == PEER) & (rows.pg_row > 0))
         return jnp.where(use, pooled, adv)
 
-    return Probe("prp", extend, advantages, _id_loss_terms, needs_peers=True, needs_peer_logp=True)
+    def shaping_term(logp, rows):
+        """LUFFY: -f(rho_c) A on the shaped rows' tokens (rho_c = pi_theta(chunk) / pi_j(chunk), no clip),
+        aggregated as the PG term and over its denominator (the rows' pg_row / pg_mask)."""
+        C = rows.src_chunk_logp.shape[1]
+        on = rows.aux_weight > 0
+        cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
+        s, _, _ = grpo.policy_loss(logp, jax.lax.stop_gradient(logp), rows.advantages, rows.pg_mask,
+                                   loss_type=rows.loss_type, max_completion_length=rows.max_completion_length,
+                                   weights=rows.aux_weight, row_valid=jnp.any(on, -1), shaping_mask=on,
+                                   shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk),
+                                   shaping_gamma=gamma)
+        _, d = grpo.aggregate(jnp.zeros_like(logp), rows.pg_mask, rows.loss_type, rows.max_completion_length,
+                              rows.pg_row)
+        return s[None], d[None], {}
+
+    return Probe("prp", extend, advantages, shaping_term if mode == "shaping" else _id_loss_terms,
+                 needs_peers=True, needs_peer_logp=True)
 
 
 # ----------------------------------------------------------------------------- SGT

@@ -38,11 +38,13 @@ class Rows:
     log-prob summed per chunk), chunk_valid bool[R, C] (False = THL residual chunk).
     Probe-controlled: pg_row f32[R] (row counts in the policy-gradient term), pg_mask f32[R, Tc] (tokens of
     the PG term), pg_weight f32[R, Tc] (stop-gradient per-token weight, e.g. PRP importance weights),
-    shaping_gamma f32[R] (> 0: the PG term uses LUFFY f(rho) = rho / (rho + gamma) on this row, no clip),
+    aux_weight f32[R, Tc] (stop-gradient per-token weight of a probe's own PG-like term, e.g. PRP's LUFFY
+    shaping; such rows keep pg_row / pg_mask so they count in the PG denominator, with pg_weight 0),
     sft_weight f32[R] (SGT / replay weight), advantages f32[R].
     Scalars: consumer int32[], probe_index int32[] (acting chain of a ``switch``), pool_weighted bool[]
     (pooled baselines use HACPO capability weights; set by a probe's extend, read by every pooling probe).
-    Static: num_prompts, num_generations, scale_rewards, reward_eps (the run's GRPO advantage options).
+    Static: num_prompts, num_generations, and the run's GRPO options a probe's term must follow:
+    scale_rewards, reward_eps (advantages), loss_type, max_completion_length (aggregation).
     """
     prompt_ids: jax.Array = per_row()
     prompt_mask: jax.Array = per_row()
@@ -61,7 +63,7 @@ class Rows:
     pg_row: jax.Array = per_row()
     pg_mask: jax.Array = per_row()
     pg_weight: jax.Array = per_row()
-    shaping_gamma: jax.Array = per_row()
+    aux_weight: jax.Array = per_row()
     sft_weight: jax.Array = per_row()
     advantages: jax.Array = per_row()
     consumer: jax.Array = struct.field(pytree_node=True, default=None)
@@ -71,6 +73,8 @@ class Rows:
     num_generations: int = struct.field(pytree_node=False, default=0)
     scale_rewards: str = struct.field(pytree_node=False, default="group")
     reward_eps: float = struct.field(pytree_node=False, default=1e-4)
+    loss_type: str = struct.field(pytree_node=False, default="grpo")
+    max_completion_length: int = struct.field(pytree_node=False, default=0)
 
     @property
     def num_own(self) -> int:
@@ -90,7 +94,8 @@ PER_ROW = tuple(f.name for f in dataclasses.fields(Rows) if f.metadata.get("per_
 
 def own_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp, ref_logp, rewards, truncated, *,
              consumer, num_chunks: int = 1, pg_mask=None, num_generations: int | None = None,
-             scale_rewards: str = "group", reward_eps: float = 1e-4, probe_index=0) -> Rows:
+             scale_rewards: str = "group", reward_eps: float = 1e-4, loss_type: str = "grpo",
+             max_completion_length: int | None = None, probe_index=0) -> Rows:
     """The policy's own P x G rollouts as active PG rows. prompt_ids int32[P, Tp] (one row per prompt,
     repeated G times here), completion_* [P*G, Tc], rewards f32[P*G]. pg_mask defaults to the completion mask."""
     P = prompt_ids.shape[0]
@@ -108,10 +113,11 @@ def own_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp,
         dst_chunk=jnp.full((n, Tc), -1, jnp.int32), src_chunk_logp=jnp.zeros((n, num_chunks), jnp.float32),
         chunk_valid=jnp.zeros((n, num_chunks), bool), pg_row=jnp.ones((n,), jnp.float32),
         pg_mask=cm if pg_mask is None else jnp.asarray(pg_mask, jnp.float32),
-        pg_weight=jnp.ones((n, Tc), jnp.float32), shaping_gamma=jnp.zeros((n,), jnp.float32),
+        pg_weight=jnp.ones((n, Tc), jnp.float32), aux_weight=jnp.zeros((n, Tc), jnp.float32),
         sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32),
         consumer=cons, probe_index=jnp.asarray(probe_index, jnp.int32), pool_weighted=jnp.asarray(False),
-        num_prompts=P, num_generations=G, scale_rewards=scale_rewards, reward_eps=float(reward_eps))
+        num_prompts=P, num_generations=G, scale_rewards=scale_rewards, reward_eps=float(reward_eps),
+        loss_type=loss_type, max_completion_length=int(max_completion_length or Tc))
 
 
 def peer_rows(view, prompt_ids, prompt_mask) -> Rows:
@@ -127,7 +133,7 @@ def peer_rows(view, prompt_ids, prompt_mask) -> Rows:
         truncated=view.truncated.astype(bool), row_kind=view.kind.astype(jnp.int32), prompt_slot=ps,
         source=view.source.astype(jnp.int32), dst_chunk=view.dst_chunk.astype(jnp.int32),
         src_chunk_logp=view.src_chunk_logp.astype(jnp.float32), chunk_valid=view.chunk_valid.astype(bool),
-        pg_row=z(S), pg_mask=z(S, Tc), pg_weight=z(S, Tc), shaping_gamma=z(S), sft_weight=z(S), advantages=z(S),
+        pg_row=z(S), pg_mask=z(S, Tc), pg_weight=z(S, Tc), aux_weight=z(S, Tc), sft_weight=z(S), advantages=z(S),
         consumer=jnp.asarray(view.consumer, jnp.int32), probe_index=jnp.asarray(0, jnp.int32),
         pool_weighted=jnp.asarray(False))
 
