@@ -31,10 +31,16 @@ from mrl_jax.trainer.loop import Run, train  # noqa: E402
 from mrl_jax.trainer.round import run_round  # noqa: E402
 
 COSTS = {"policies.0.cost": 1.0, "policies.1.cost": 3.0}
+MWRA = {"min_size": 0}   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
 
 
 def cfg_of(**overrides):
-    return soak.to_run_config(soak.tiny_config(**{**COSTS, **overrides}))
+    return soak.to_run_config(soak.tiny_config(**{**COSTS, "mwra": dict(MWRA), **overrides}))
+
+
+def sharded_leaves(states) -> int:
+    """Array leaves split over more than one device (not fully replicated)."""
+    return sum(isinstance(x, jax.Array) and not x.sharding.is_fully_replicated for x in jax.tree.leaves(states))
 
 
 def leaves_on(state, mesh) -> bool:
@@ -88,6 +94,7 @@ def main(root: Path) -> dict:
                                       view_shape=run.view_shape, device_guard="disallow")
     res["guard_round_ok"] = True
     res["leaves_on_mesh_round0"] = [leaves_on(s, m) for s, m in zip(state.policies, run.placement.meshes)]
+    res["sharded_leaves_round0"] = sharded_leaves(state.policies)
     names = [p.name for p in run.policies]
     res["stamps"] = {n: {k: v for k, v in metrics[n].items() if k.startswith("time/") and
                          k.split("/")[1].startswith(("rollout_", "update_"))} for n in names}
@@ -104,7 +111,7 @@ def main(root: Path) -> dict:
     # -- 8 devices vs 1 device: same round-0 metrics and final params
     cfg2 = cfg_of(rounds=2)
     one = dict(soak.tiny_config(**COSTS, rounds=2))
-    one["mwra"] = {"devices": 1}
+    one["mwra"] = {**MWRA, "devices": 1}
     train(cfg2, root / "eq8", progress=False)
     train(soak.to_run_config(one), root / "eq1", progress=False)
     plan1 = json.loads((root / "eq1" / "plan.json").read_text())
@@ -138,19 +145,33 @@ def restore4(root: Path) -> dict:
     ck = RunCheckpointer(out)
     try:
         saved, meta = ck.read()
-        state, _ = ck.restore(run.state)
+        state, _ = ck.restore(run.state)   # straight onto the 4-device plan's shardings (no run.place needed)
     finally:
         ck.close()
-    state = run.place(state)
     want, got = by_path(saved["policies"]), by_path(state.policies)
     return {"num_devices": len(jax.devices()), "round": meta["round"], "leaves": len(got),
             "plan_devices": [list(p.device_ids) for p in run.placement.plan.policies],
             "equal": want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want),
             "leaves_on_mesh": [leaves_on(s, m) for s, m in zip(state.policies, run.placement.meshes)],
+            "sharded_leaves": sharded_leaves(state.policies),
             "param_devices": [sorted(mwra.devices_of((s.params, s.opt_state))) for s in state.policies]}
+
+
+def timeshare(root: Path) -> dict:
+    """3 policies on 2 devices (time_share: pack, equal costs): policy i on device i % 2, one round runs."""
+    d = soak.tiny_config(rounds=1)
+    d["policies"].append({**d["policies"][0], "name": "third"})
+    for p in d["policies"]:
+        p["cost"] = 1.0
+    d["report_to"] = ["jsonl"]
+    s = train(soak.to_run_config(d), root / "share", progress=False)
+    return {"num_devices": len(jax.devices()), "mode": s["plan"]["mode"],
+            "placement": {n: p["placement"] for n, p in s["policies"].items()},
+            "shares_with": {p["name"]: p["shares_with"] for p in s["plan"]["policies"]},
+            "rounds_logged": len({r["round"] for r in metrics_rows(root / "share")})}
 
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4}[mode](root)
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare}[mode](root)
     print(json.dumps(result, default=str))

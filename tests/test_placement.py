@@ -128,6 +128,7 @@ def test_placement_on_8_devices_after_round0_and_resume(eight):
         assert pl["gpt2_uni"] == {"devices": [2, 3, 4, 5, 6, 7], "param_devices": [2, 3, 4, 5, 6, 7]}
     assert r["ref_held"] and r["leaves_on_mesh_built"] == [True, True]
     assert r["leaves_on_mesh_round0"] == [True, True]
+    assert r["sharded_leaves_round0"] > 0   # mwra.min_size 0: FSDP really splits leaves over the meshes
     assert "MWRA plan: 2 policies on 8 cpu device(s)" in r["plan_txt"]
 
 
@@ -161,5 +162,15 @@ def test_restore_8_device_checkpoint_on_4_devices(eight):
     assert r["num_devices"] == 4 and r["round"] == 1
     assert r["plan_devices"] == [[0], [1, 2, 3]]
     assert r["leaves"] > 0 and r["equal"] is True
-    assert r["leaves_on_mesh"] == [True, True]
+    assert r["leaves_on_mesh"] == [True, True] and r["sharded_leaves"] > 0   # restored straight onto the plan
     assert r["param_devices"] == [[0], [1, 2, 3]]
+
+
+def test_time_share_3_policies_on_2_devices_follow_the_packing(tmp_path):
+    r = _worker("timeshare", tmp_path, 2)
+    assert r["num_devices"] == 2 and r["mode"] == "time_share:pack" and r["rounds_logged"] == 1
+    # equal costs: policy i on device i % D (allocation.py's documented packing)
+    assert r["placement"] == {"llama_bpe": {"devices": [0], "param_devices": [0]},
+                              "gpt2_uni": {"devices": [1], "param_devices": [1]},
+                              "third": {"devices": [0], "param_devices": [0]}}
+    assert r["shares_with"] == {"llama_bpe": ["third"], "gpt2_uni": [], "third": ["llama_bpe"]}

@@ -433,8 +433,8 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
     tok = build_tokenizer(cfg.policies[0], task_corpus(build_task(cfg)))
     lead = next(i for i in range(tok.vocab_size) if tok.decode_bytes([i]) == b"\xc3")
 
-    def generate(graphdef, params, ids, mask, key, sampling):
-        out = real_generate(graphdef, params, ids, mask, key, sampling)
+    def generate(graphdef, params, ids, mask, key, sampling, num_samples=1):
+        out = real_generate(graphdef, params, ids, mask, key, sampling, num_samples=num_samples)
         tokens, m = np.array(out.tokens), np.array(out.mask)
         eos, pad = sampling.eos_id, sampling.pad_id
         eos = eos[0] if isinstance(eos, tuple) else eos

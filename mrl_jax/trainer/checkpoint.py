@@ -5,6 +5,10 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 mid-write leaves no directory that ``latest_round`` would take; ``keep`` bounds retention. The state is a
 pytree; restoring needs a *template* of the same structure (the freshly initialised run state), which
 also gives the restored arrays their dtypes and shardings.
+
+Layouts (MWRA): sharded ``jax.Array`` s are saved as they are (orbax writes each shard, no gather to one
+host), and a restore reads every array straight onto the template's sharding -- the *current* plan, whatever
+device count or mesh the run was saved with (8 devices -> 4 works). `read` restores onto the host.
 """
 
 from __future__ import annotations
@@ -30,12 +34,41 @@ def _check_matches(template: Any, restored: Any, where: Path) -> None:
         raise CheckpointError(f"checkpoint {where} holds {len(r_leaves)} arrays, this run's state {len(t_leaves)}; "
                               "resume with the config that wrote it, or start a new --out directory.")
     for (path, t), r in zip(t_leaves, r_leaves):
-        r = np.asarray(r)
-        if t.shape != r.shape or t.dtype != r.dtype:
+        r = r if hasattr(r, "shape") and hasattr(r, "dtype") else np.asarray(r)
+        t = t if hasattr(t, "shape") and hasattr(t, "dtype") else np.asarray(t)
+        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
             raise CheckpointError(
                 f"checkpoint {where}: array {jax.tree_util.keystr(path)} is {r.dtype}{list(r.shape)} but this "
                 f"run's config gives {t.dtype}{list(t.shape)}. Resume with the config that wrote the checkpoint "
                 "(its copy is config.json next to checkpoints/), or start a new --out directory.")
+
+
+def _is_array_meta(m) -> bool:
+    return hasattr(m, "shape") and hasattr(m, "dtype")
+
+
+def _norm_path(path) -> str:
+    """A pytree path as ``a/0/b`` without nnx's ``value`` components (the saved tree spells them out)."""
+    from mrl_jax.mwra import path_str
+
+    return "/".join(c for c in path_str(path).split("/") if c != "value")
+
+
+def _check_against_saved(template: Any, saved: dict, where: Path) -> None:
+    """Name the first template array whose shape or dtype differs from the checkpoint's (by path)."""
+    for path, t in jax.tree_util.tree_flatten_with_path(template)[0]:
+        got = saved.get(_norm_path(path))
+        if got is not None and (tuple(np.shape(t)), np.dtype(t.dtype)) != got:
+            raise CheckpointError(
+                f"checkpoint {where}: array {jax.tree_util.keystr(path)} is {got[1]}{list(got[0])} but this "
+                f"run's config gives {np.dtype(t.dtype)}{list(np.shape(t))}. Resume with the config that wrote the "
+                "checkpoint (its copy is config.json next to checkpoints/), or start a new --out directory.")
+
+
+def _savable(x):
+    """A leaf as orbax saves it: a ``jax.Array`` as it is (sharded: each shard written where it lives),
+    anything else as numpy."""
+    return x if isinstance(x, jax.Array) else np.asarray(x)
 
 
 class RunCheckpointer:
@@ -53,7 +86,7 @@ class RunCheckpointer:
 
     def save(self, round_index: int, state: Any, meta: dict) -> None:
         """Write the checkpoint of ``round_index`` (blocking; atomic)."""
-        state = jax.tree.map(np.asarray, state)
+        state = jax.tree.map(_savable, state)
         self._manager.save(round_index, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
@@ -78,13 +111,16 @@ class RunCheckpointer:
         where = self.directory / str(step)
         if step not in steps:
             raise CheckpointError(f"no complete checkpoint of round {step} in {self.directory} (complete: {steps}).")
-        template = jax.tree.map(np.asarray, template)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        template = jax.tree.map(_savable, template)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)   # jax.Array: with its sharding
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types; all mean "unusable"
             msg = " ".join(str(e).split())[:400]
+            if "not compatible with the stored shape" in msg:   # onto shardings orbax checks shapes itself
+                _check_against_saved(template, self._saved_shapes(step), where)
+                msg = "mismatch: " + msg
             if "mismatch" in msg.lower() or "not found in metadata" in msg.lower():
                 raise CheckpointError(
                     f"checkpoint {where} does not match this run's config ({msg}). Resume with the config that "
@@ -98,14 +134,28 @@ class RunCheckpointer:
         _check_matches(template, restored.state, where)
         return restored.state, dict(restored.meta)
 
+    def _saved_shapes(self, step: int) -> dict:
+        """``{array path: (shape, dtype)}`` of a checkpoint, from its metadata (nothing read)."""
+        md = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
+        md = getattr(md, "item_metadata", md)
+        tree = getattr(md, "tree", md)
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_meta)[0]
+        return {_norm_path(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in leaves if _is_array_meta(m)}
+
     def read(self, round_index: int | None = None) -> tuple[Any, dict]:
         """Template-free restore for inspection and comparison: ``(tree of numpy arrays as saved, meta)``
         (nested dicts/lists; no config needed). ``restore`` is what a resumed run uses."""
         step = self.latest_round() if round_index is None else round_index
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}.")
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        md = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
+        md = getattr(md, "item_metadata", md)
+        meta_tree = getattr(md, "tree", md)
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=host), meta_tree,
+                                is_leaf=_is_array_meta)
+        restored = self._manager.restore(step, args=ocp.args.Composite(   # any saved layout, onto one device
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return jax.tree.map(np.asarray, restored.state), dict(restored.meta)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
 from mrl_jax.learner import Batch
+from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
 from mrl_jax.tasks import Prompt
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
@@ -119,7 +120,8 @@ def _replicated(pol: Policy, x):
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key, G: int):
     """Launch policy ``pol``'s rollout (not awaited). On a mesh: prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly."""
-    if pol.mesh is None or pol.rollout is None:
+    if pol.mesh is None or pol.rollout is None or generate is not _rollout.generate:
+        # unpinned: no mesh, or this module's ``generate`` replaced (tests inject degenerate samples that way)
         return generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), key, pol.sampling,
                         num_samples=G)
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
