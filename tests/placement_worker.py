@@ -3,6 +3,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py main DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py restore4 DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
 
 Prints one JSON object on the last stdout line (the facts the test asserts on).
 """
@@ -18,6 +20,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+
+if len(sys.argv) > 4 and sys.argv[1] == "mp":   # join the two-process run before any other JAX call
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]))
+
 import numpy as np  # noqa: E402
 
 from benchmarks import soak  # noqa: E402
@@ -171,7 +178,27 @@ def timeshare(root: Path) -> dict:
             "rounds_logged": len({r["round"] for r in metrics_rows(root / "share")})}
 
 
+def mp_config():
+    """One policy per process: equal costs on 8 global devices (4 per process) give 4 + 4."""
+    d = soak.tiny_config(rounds=3, **{"policies.0.cost": 1.0, "policies.1.cost": 1.0})
+    d["mwra"] = dict(MWRA)
+    d["report_to"] = ["jsonl"]
+    return soak.to_run_config(d)
+
+
+def mp(root: Path) -> dict:
+    s = train(mp_config(), root / "mp", progress=False)
+    return {"process": jax.process_index(), "num_devices": len(jax.devices()),
+            "local_devices": [d.id for d in jax.local_devices()],
+            "placement": {n: p["placement"] for n, p in s["policies"].items()}}
+
+
+def mpref(root: Path) -> dict:
+    s = train(mp_config(), root / "ref", progress=False)
+    return {"num_devices": len(jax.devices()), "placement": {n: p["placement"] for n, p in s["policies"].items()}}
+
+
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4, "timeshare": timeshare}[mode](root)
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref}[mode](root)
     print(json.dumps(result, default=str))

@@ -174,3 +174,53 @@ def test_time_share_3_policies_on_2_devices_follow_the_packing(tmp_path):
                               "gpt2_uni": {"devices": [1], "param_devices": [1]},
                               "third": {"devices": [0], "param_devices": [0]}}
     assert r["shares_with"] == {"llama_bpe": ["third"], "gpt2_uni": [], "third": ["llama_bpe"]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
+    """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo), one policy per process,
+    3 rounds; the final params equal a single-process 8-device run of the same config (1e-5)."""
+    import numpy as np
+
+    sys.path.insert(0, str(WORKER.parent))
+    from placement_worker import by_path
+
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(tmp_path), str(i), str(port)], env=env,
+                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["process"] for r in results] == [0, 1] and all(r["num_devices"] == 8 for r in results)
+    local = [set(r["local_devices"]) for r in results]
+    for r in results:   # one policy per process, read back from the arrays on both processes
+        pl = r["placement"]
+        assert set(pl["llama_bpe"]["param_devices"]) == local[0] and set(pl["gpt2_uni"]["param_devices"]) == local[1]
+    ref = _worker("mpref", tmp_path, 8)
+    assert ref["placement"]["llama_bpe"]["devices"] == [0, 1, 2, 3]
+
+    def final(run_dir):
+        ck = RunCheckpointer(run_dir)
+        try:
+            tree, meta = ck.read()
+        finally:
+            ck.close()
+        return by_path(tree["policies"]), meta["round"]
+
+    (a, ra), (b, rb) = final(tmp_path / "mp"), final(tmp_path / "ref")
+    assert ra == rb == 2 and a.keys() == b.keys() and len(a) > 0
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
+    assert (tmp_path / "mp" / "summary.json").exists()   # written by process 0 only

@@ -112,6 +112,9 @@ def _put_leaf(x, sharding: NamedSharding):
         return jax.device_put(x, sharding)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)  # global -> global reshard (same processes)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):   # typed PRNG key
+        return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding),
+                                        impl=jax.random.key_impl(x))
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx], dtype=host.dtype)
 

@@ -66,9 +66,12 @@ def _check_against_saved(template: Any, saved: dict, where: Path) -> None:
 
 
 def _savable(x):
-    """A leaf as orbax saves it: a ``jax.Array`` as it is (sharded: each shard written where it lives),
-    anything else as numpy."""
-    return x if isinstance(x, jax.Array) else np.asarray(x)
+    """A leaf as orbax saves it: a ``jax.Array`` on a mesh as it is (sharded: each shard written where it
+    lives, by the process that holds it), anything else -- numpy, or an array on one local device such as the
+    SEE buffer, which each process of a multi-host run holds identically -- as numpy."""
+    if isinstance(x, jax.Array) and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+        return x
+    return np.asarray(x)
 
 
 class RunCheckpointer:

@@ -32,8 +32,13 @@ def evaluate_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seq
         n = len(chunk)
         chunk = chunk + [chunk[-1]] * (batch_size - n) if len(prompts) > batch_size else chunk
         ids, mask, _ = encode_prompts(policy.tokenizer, policy.prompt_format, [p.text for p in chunk])
-        out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask),
-                                      jax.random.key(0), greedy))
+        if policy.mesh is not None:   # on the policy's MWRA mesh, read on every process
+            from mrl_jax.trainer.placement import mesh_generate
+
+            out = mesh_generate(policy, state.params, ids, mask, jax.random.key(0), greedy)
+        else:
+            out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask),
+                                          jax.random.key(0), greedy))
         texts, _ = decode_completions(policy.tokenizer, out.tokens, out.mask, policy.sampling.eos_ids)
         for p, t in zip(chunk[:n], texts[:n]):
             hits[prompt_group(p)].append(float(task.verify(p, t) >= 1.0))

@@ -24,7 +24,7 @@ from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.metrics import RunLog
-from mrl_jax.trainer.placement import Placement, make_placement, pin_policy, placement_summary
+from mrl_jax.trainer.placement import Placement, fetch, make_placement, pin_policy, placement_summary
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
 from mrl_jax.trainer.reference import initial_reference
 from mrl_jax.trainer.round import RunState, ViewShape, run_round
@@ -242,6 +242,32 @@ def _prompt_limit(spec, model) -> int:
     return limit
 
 
+def _host_state(run: Run, state: RunState) -> RunState:
+    """What a checkpoint saves. One process: ``state`` (sharded arrays as they are). Several: orbax cannot
+    save an array that lives inside one process of a multi-host run, so each policy's state is read where
+    its mesh is and broadcast (`placement.fetch`), and every process saves the same host values."""
+    if jax.process_count() == 1 or run.placement is None:
+        return state
+    pols = tuple(jax.tree.map(np.asarray, fetch(run.placement.meshes[i], ps)) for i, ps in enumerate(state.policies))
+    return state.replace(policies=pols, see=jax.device_get(state.see))
+
+
+class _NullLog:
+    """The run log of a non-primary process of a multi-host run: writes nothing."""
+
+    def truncate_after(self, round_index: int) -> None:
+        pass
+
+    def log_round(self, round_index, per_policy) -> None:
+        pass
+
+    def log_samples(self, round_index, samples) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _LastInputs:
     """Wraps each policy's jitted ``update`` to keep a reference to the last (batch, see_view) it got, so a
     batch that made the update non-finite can be saved for inspection (no copy, no device sync)."""
@@ -329,12 +355,14 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         ckpt.close()
         raise
     # on resume, drop the records (and TensorBoard events) of rounds after the checkpoint: they are redone
+    primary = jax.process_index() == 0   # multi-host: only process 0 writes logs, config, plan and summary
     log = RunLog(out, progress=progress, purge_step=start if resume else None, rounds=(start, cfg.rounds),
-                 report_to=cfg.report_to, config=to_dict(cfg))
+                 report_to=cfg.report_to, config=to_dict(cfg)) if primary else _NullLog()
     if resume:
         log.truncate_after(start - 1)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    if run.placement is not None:
+    if primary:
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    if run.placement is not None and primary:
         plan = run.placement.plan
         if progress:
             print(str(plan), flush=True)
@@ -361,7 +389,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
                     skipped[name] = skipped[name] + 1 if m.get("skipped", 0.0) > 0 else 0
                 bad = [n for n, c in skipped.items() if c >= cfg.max_skipped_updates]
                 if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds or bad:
-                    ckpt.save(r, state, {"round": r})
+                    ckpt.save(r, _host_state(run, state), {"round": r})
                 if bad:
                     saved = [recorder.save(n, out / f"failed_batch_{n}_round{r}.npz", prompts, r) for n in bad]
                     raise TrainingStopped(
@@ -387,7 +415,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         summary["plan"] = run.placement.to_dict()
         for name, pl in placement_summary(run.placement, state.policies).items():
             summary["policies"][name]["placement"] = pl
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if primary:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

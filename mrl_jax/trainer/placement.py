@@ -192,6 +192,47 @@ def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.nd
             np.concatenate([mask, np.repeat(mask[-1:], extra, 0)]))
 
 
+def fetch(mesh: Optional[Mesh], tree):
+    """``tree``'s arrays as host numpy on *every* process (all processes call it, in the same order).
+
+    One process: ``jax.device_get``. Several (``jax.distributed``): the arrays of a mesh that lies inside
+    one process are read there and broadcast to the others (``multihost_utils.broadcast_one_to_all``), so
+    the host work after it (decoding, rewards, THL, SEE) is identical on every process."""
+    if jax.process_count() == 1 or mesh is None:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    owners = sorted({d.process_index for d in mesh.devices.flat})
+    if len(owners) != 1:
+        raise NotImplementedError(f"mrl train: a policy mesh spanning processes {owners} cannot be read yet; "
+                                  "give each policy devices of one host (policies[*].devices or mwra.devices)")
+    mine = jax.process_index() == owners[0]
+    host = jax.device_get(tree) if mine else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
+    return multihost_utils.broadcast_one_to_all(host, is_source=mine)
+
+
+_MESH_GENERATE: dict = {}
+
+
+def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarray, key, sampling,
+                  num_samples: int = 1):
+    """`generate` of ``policy`` on its mesh from host prompts, fetched to the host on every process (see
+    `fetch`): rows padded to the data axis and trimmed again. For evaluation and other off-round sampling."""
+    mesh = policy.mesh
+    P = prompt_ids.shape[0]
+    cache_key = (id(mesh), policy.graphdef, sampling, int(num_samples))
+    fn = _MESH_GENERATE.get(cache_key)
+    if fn is None:
+        graphdef, G = policy.graphdef, int(num_samples)
+        fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
+                     out_shardings=mwra.batch_sharding(mesh))
+        _MESH_GENERATE[cache_key] = fn
+    ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
+    rows = mwra.batch_sharding(mesh)
+    out = fn(params, mwra.put(ids, rows), mwra.put(mask, rows), mwra.put(key, NamedSharding(mesh, mwra.REPLICATED)))
+    return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
+
+
 def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
@@ -209,5 +250,5 @@ def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update)
 
 
-__all__ = ["Placement", "config_rules", "device_memory_bytes", "make_placement", "pad_prompts", "pad_rows",
+__all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "make_placement", "mesh_generate", "pad_prompts", "pad_rows",
            "param_devices", "pin_policy", "placement_summary", "plan_run", "policy_cost", "run_devices"]

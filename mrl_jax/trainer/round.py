@@ -36,7 +36,7 @@ from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
 from mrl_jax.tasks import Prompt
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
-from mrl_jax.trainer.placement import pad_prompts
+from mrl_jax.trainer.placement import fetch, pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
 from mrl_jax.trainer.reference import maybe_sync
 
@@ -185,7 +185,7 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
         rollouts = []
         for pol, (ids, mask, out) in zip(policies, launched):
             stamps[pol.name]["rollout_read"] = time.perf_counter() - t0
-            out = _trim(jax.device_get(out), P * G)
+            out = _trim(fetch(pol.mesh, out), P * G)   # one process: device_get; several: read + broadcast
             stamps[pol.name]["rollout_ready"] = time.perf_counter() - t0
             rollouts.append((ids, mask, out))
 
@@ -258,7 +258,10 @@ def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Pro
             stamps[pol.name]["update_read"] = time.perf_counter() - t0
             jax.block_until_ready(m)
             stamps[pol.name]["update_ready"] = time.perf_counter() - t0
-        raw_metrics = jax.device_get(raw_metrics)   # the round's one metrics fetch
+        if jax.process_count() == 1:
+            raw_metrics = jax.device_get(raw_metrics)   # the round's one metrics fetch
+        else:   # each policy's metrics read where its mesh is, broadcast to every process
+            raw_metrics = [fetch(pol.mesh, m) for pol, m in zip(policies, raw_metrics)]
 
     metrics, samples = {}, []
     for pol, (_, _, out), (comp_texts, _), sc, upd, info in zip(
