@@ -214,19 +214,26 @@ def fetch(mesh: Optional[Mesh], tree):
 _MESH_GENERATE: dict = {}
 
 
+def _mesh_rollout(mesh: Mesh, graphdef, sampling, num_samples: int) -> Callable:
+    """``(params, prompt_ids, prompt_mask, key) -> Rollout`` jitted with row-sharded outputs on ``mesh``; one per
+    (mesh, graph, sampling, G) in the process, so runs built again (demo: one per probe and seed) reuse it."""
+    cache_key = (mesh, graphdef, sampling, int(num_samples))
+    fn = _MESH_GENERATE.get(cache_key)
+    if fn is None:
+        G = int(num_samples)
+        fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
+                     out_shardings=mwra.batch_sharding(mesh))
+        _MESH_GENERATE[cache_key] = fn
+    return fn
+
+
 def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarray, key, sampling,
                   num_samples: int = 1):
     """`generate` of ``policy`` on its mesh from host prompts, fetched to the host on every process (see
     `fetch`): rows padded to the data axis and trimmed again. For evaluation and other off-round sampling."""
     mesh = policy.mesh
     P = prompt_ids.shape[0]
-    cache_key = (id(mesh), policy.graphdef, sampling, int(num_samples))
-    fn = _MESH_GENERATE.get(cache_key)
-    if fn is None:
-        graphdef, G = policy.graphdef, int(num_samples)
-        fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
-                     out_shardings=mwra.batch_sharding(mesh))
-        _MESH_GENERATE[cache_key] = fn
+    fn = _mesh_rollout(mesh, policy.graphdef, sampling, num_samples)
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
     rows = mwra.batch_sharding(mesh)
     out = fn(params, mwra.put(ids, rows), mwra.put(mask, rows), mwra.put(key, NamedSharding(mesh, mwra.REPLICATED)))
@@ -236,14 +243,8 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
 def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
-    rows = mwra.batch_sharding(mesh)
     repl = NamedSharding(mesh, mwra.REPLICATED)
-    graphdef, sampling, G = policy.graphdef, policy.sampling, int(num_generations)
-
-    def _rollout(params, prompt_ids, prompt_mask, key):
-        return generate(graphdef, params, prompt_ids, prompt_mask, key, sampling, num_samples=G)
-
-    rollout = jax.jit(_rollout, out_shardings=rows)
+    rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
     inner: Callable = policy.update
     update = jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
                      out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
