@@ -187,8 +187,12 @@ def mp_config():
 
 
 def mp(root: Path) -> dict:
-    s = train(mp_config(), root / "mp", progress=False)
-    return {"process": jax.process_index(), "num_devices": len(jax.devices()),
+    """2 rounds, then resumed to the config's 3 (restore onto the host, then placed on the meshes)."""
+    import dataclasses
+
+    train(dataclasses.replace(mp_config(), rounds=2), root / "mp", progress=False)
+    s = train(mp_config(), root / "mp", resume=True, progress=False)
+    return {"process": jax.process_index(), "num_devices": len(jax.devices()), "resumed_from": s["resumed_from"],
             "local_devices": [d.id for d in jax.local_devices()],
             "placement": {n: p["placement"] for n, p in s["policies"].items()}}
 

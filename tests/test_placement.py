@@ -186,7 +186,7 @@ def _free_port() -> int:
 
 def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
     """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo), one policy per process,
-    3 rounds; the final params equal a single-process 8-device run of the same config (1e-5)."""
+    2 rounds then resumed to 3; the final params equal an uninterrupted single-process 8-device run (1e-5)."""
     import numpy as np
 
     sys.path.insert(0, str(WORKER.parent))
@@ -205,6 +205,7 @@ def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
         assert p.returncode == 0, err[-4000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [r["process"] for r in results] == [0, 1] and all(r["num_devices"] == 8 for r in results)
+    assert all(r["resumed_from"] == 1 for r in results)
     local = [set(r["local_devices"]) for r in results]
     for r in results:   # one policy per process, read back from the arrays on both processes
         pl = r["placement"]

@@ -69,9 +69,17 @@ def _savable(x):
     """A leaf as orbax saves it: a ``jax.Array`` on a mesh as it is (sharded: each shard written where it
     lives, by the process that holds it), anything else -- numpy, or an array on one local device such as the
     SEE buffer, which each process of a multi-host run holds identically -- as numpy."""
-    if isinstance(x, jax.Array) and not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+    if isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array) and
+                                               not isinstance(x.sharding, jax.sharding.SingleDeviceSharding)):
         return x
     return np.asarray(x)
+
+
+def host_template(template: Any) -> Any:
+    """``template`` as abstract arrays on this process's first local device: a restore onto it reads every
+    array to this process (what a multi-host run does before placing the state on its meshes)."""
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=dev), template)
 
 
 class RunCheckpointer:

@@ -20,7 +20,7 @@ from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
 from mrl_jax.tasks import (ArithmeticTask, JsonlTask, Prompt, RewardFailure, RewardScorer, RewardSpec, StringTask, Task,
                            default_mixture, task_reward)
-from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
+from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.metrics import RunLog
@@ -348,7 +348,9 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         state, start = run.state, 0
         if resume and latest is not None:
             _warn_config_changes(out, cfg)
-            state, meta = ckpt.restore(run.state)
+            # several processes: read onto the host, then place (orbax restores no process-local array there)
+            template = run.state if jax.process_count() == 1 else host_template(run.state)
+            state, meta = ckpt.restore(template)
             state = run.place(state)
             start = int(meta["round"]) + 1
     except BaseException:
