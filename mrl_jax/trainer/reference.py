@@ -9,6 +9,7 @@ of every checkpoint and a resumed run continues with the same reference.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -39,9 +40,10 @@ def initial_reference(spec, params) -> Optional[Any]:
     return ref
 
 
-@jax.jit
-def mix(params, ref, alpha):
-    """TRL's reference sync: alpha * params + (1 - alpha) * ref, leaf-wise in the ref's dtype."""
+@functools.partial(jax.jit, static_argnames="alpha")
+def mix(params, ref, alpha: float):
+    """TRL's reference sync: alpha * params + (1 - alpha) * ref, leaf-wise in the ref's dtype (alpha static:
+    no host-to-device transfer, so it runs under a disallowing transfer guard)."""
     return jax.tree.map(lambda p, r: (alpha * p.astype(jnp.float32) + (1 - alpha) * r.astype(jnp.float32))
                         .astype(r.dtype), params, ref)
 
@@ -51,4 +53,4 @@ def maybe_sync(spec, params, ref, step: int):
     r = spec.ref_model
     if ref is None or not r.sync_ref_model or step % r.ref_model_sync_steps:
         return ref
-    return mix(params, ref, jnp.float32(r.ref_model_mixup_alpha))
+    return mix(params, ref, float(r.ref_model_mixup_alpha))
