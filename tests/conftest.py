@@ -1,10 +1,14 @@
 """Shared pytest fixtures."""
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the tests import benchmarks/ (soak: tiny configs, fault rewards, child runs)
+    sys.path.insert(0, str(REPO))
 
 
 def _shared_tokenizers() -> Path:
@@ -21,3 +25,14 @@ def shared_tokenizers_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"real tokenizers not available at {path} (set MRL_SHARED_TOKENIZERS)")
     return path
+
+
+@pytest.fixture(scope="module")
+def jax_compile_cache():
+    """JAX's persistent compilation cache for one module (restored afterwards): the trainer-level modules
+    compile the same tiny-config computations. Use with ``pytestmark = pytest.mark.usefixtures("jax_compile_cache")``."""
+    from benchmarks import soak
+
+    restore = soak.enable_compile_cache()
+    yield
+    restore()

@@ -29,11 +29,7 @@ ATOL = 1e-4
 SIGNAL = {"faulty": {"seed": 0, "p": {}}}  # digit_reward: rewards vary, so the updates move the params
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache():
-    restore = soak.enable_compile_cache()
-    yield
-    restore()
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 @pytest.fixture(scope="module")

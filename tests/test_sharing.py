@@ -4,34 +4,23 @@ peers' samples with their multiplicity, cut texts, probe options from the run, r
 Each test goes through ``Run`` + ``run_round`` (the trainer's round) on the tiny two-policy config.
 """
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks import soak  # noqa: E402
-from mrl_jax import grpo  # noqa: E402
-from mrl_jax.configs import ConfigError  # noqa: E402
-from mrl_jax.learner import rows_logp  # noqa: E402
-from mrl_jax.tasks import RewardScorer  # noqa: E402
-from mrl_jax.trainer import Run, run_round  # noqa: E402
-from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
-from mrl_jax.trainer.loop import text_budget  # noqa: E402
+from benchmarks import soak
+from mrl_jax import grpo
+from mrl_jax.configs import ConfigError
+from mrl_jax.learner import rows_logp
+from mrl_jax.tasks import RewardScorer
+from mrl_jax.trainer import Run, run_round
+from mrl_jax.trainer.checkpoint import RunCheckpointer
+from mrl_jax.trainer.loop import text_budget
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache():
-    restore = soak.enable_compile_cache()
-    yield
-    restore()
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 def _run(**overrides):

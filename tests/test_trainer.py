@@ -27,12 +27,7 @@ from mrl_jax.trainer.config import RunConfig  # noqa: E402
 from mrl_jax.trainer.metrics import RunLog  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache():
-    """The persistent compilation cache for this module only (restored afterwards)."""
-    restore = soak.enable_compile_cache()
-    yield
-    restore()
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 POLICIES = ["llama_bpe", "gpt2_uni"]
