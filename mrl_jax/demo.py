@@ -17,18 +17,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 from mrl_jax.progress import Progress, round_figures
 from mrl_jax.tasks import FactTableTask, MixtureTask, RewardScorer, StringTask, task_reward
-from mrl_jax.trainer.config import ModelSpec, OptimizerSpec, PolicySpec, RunConfig, SamplingSpec, SeeSpec, TokenizerSpec
+from mrl_jax.trainer.config import (ModelSpec, OptimizerSpec, PolicySpec, RunConfig, SamplingSpec, SeeSpec,
+                                    TokenizerSpec, WarmStartSpec)
 from mrl_jax.trainer.evaluation import evaluate_policy
-from mrl_jax.trainer.loop import Run
-from mrl_jax.trainer.policy import PolicyState, build_model
-from mrl_jax.trainer.round import RunState, run_round
-from mrl_jax.trainer.sft import warm_start
+from mrl_jax.trainer.loop import Run, Trainer
+from mrl_jax.trainer.policy import PolicyState, param_count
+from mrl_jax.trainer.round import RunState
 
 DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "sgt+replay")
 COUNTERS = ("frac_reward_zero_std", "sgt/rows_fired", "prp/ess", "xgrpo/adv_on_peer_solved", "replay/rows")
@@ -43,6 +41,7 @@ class DemoSettings:
     prompts_per_round: int = 32
     num_generations: int = 8
     sft_steps: int = 200
+    sft_learning_rate: float = 3e-3   # each policy's warm_start.learning_rate
     num_facts: int = 32
     learning_rate: float = 1e-3
     eval_copy_prompts: int = 64
@@ -60,16 +59,20 @@ def demo_task(num_facts: int) -> MixtureTask:
                         FactTableTask(num_facts, parts=("A", "B"))], weights=[1, 1], name="demo")
 
 
-def demo_config(probe: str, s: DemoSettings) -> RunConfig:
-    """The two heterogeneous policies (the probe chain is the only difference between runs)."""
+def demo_config(probe: str, s: DemoSettings, seed: int = 0) -> RunConfig:
+    """The two heterogeneous policies, warm-started on the shared skill and their own part (A / B) of the fact
+    table (the probe chain and the seed are the only differences between runs)."""
     common = dict(sampling=SamplingSpec(max_new_tokens=8), probes=probe,
                   optimizer=OptimizerSpec(learning_rate=s.learning_rate, max_grad_norm=1.0))
+    warm = lambda part: WarmStartSpec(steps=s.sft_steps, part=part, learning_rate=s.sft_learning_rate, batch_size=64)
     return RunConfig(
         policies=[PolicySpec(name="llama-bpe", model=ModelSpec(family="llama", hidden_size=64, num_layers=2),
-                             tokenizer=TokenizerSpec(kind="byte_bpe", vocab_size=300), **common),
+                             tokenizer=TokenizerSpec(kind="byte_bpe", vocab_size=300), warm_start=warm("A"),
+                             **common),
                   PolicySpec(name="gpt2-unigram", model=ModelSpec(family="gpt2", hidden_size=96, num_layers=2),
-                             tokenizer=TokenizerSpec(kind="unigram", vocab_size=400), **common)],
-        rounds=s.rounds, prompts_per_round=s.prompts_per_round, num_generations=s.num_generations,
+                             tokenizer=TokenizerSpec(kind="unigram", vocab_size=400), warm_start=warm("B"),
+                             **common)],
+        seed=seed, rounds=s.rounds, prompts_per_round=s.prompts_per_round, num_generations=s.num_generations,
         see=SeeSpec(capacity=2048, per_prompt_cap=16, peer_rollouts_per_prompt=4, peer_successes_per_prompt=2,
                    own_successes_per_prompt=1))
 
@@ -83,41 +86,31 @@ def _evaluate(run: Run, state: RunState, eval_sets: dict) -> dict:
     return out
 
 
-def _warm_params(run: Run, seed: int, s: DemoSettings) -> list:
-    """Per policy: random init of ``seed`` + SFT on the shared skill and its own part of the table."""
-    params = []
-    for pol, part in zip(run.policies, ("A", "B")):
-        _, p0 = nnx.split(build_model(pol.spec, pol.tokenizer, seed=seed * 1000 + pol.index))
-        p, _ = warm_start(pol.graphdef, p0, pol.tokenizer, pol.spec.prompt_template, run.sft_draw(part),
-                          steps=s.sft_steps, batch_size=64, learning_rate=3e-3,
-                          completion_length=pol.completion_length, seed=seed * 1000 + pol.index)
-        params.append(p)
-    return params
-
-
-def _rl(run: Run, params: Sequence, seed: int, s: DemoSettings, scorer, *, eval_sets: dict | None = None,
-        bar: Progress | None = None, label: str = "") -> tuple[RunState, list[dict], list[tuple]]:
-    """The RL budget from the warm-started params; returns the final state, per-round metrics and the held-out
-    evaluations every ``s.eval_every`` rounds before the last, ``[(rounds done, {policy: {skill: f}}, seconds)]``."""
-    state = RunState(policies=tuple(PolicyState(params=jax.tree.map(lambda x: x.copy(), p),
-                                                opt_state=pol.optimizer.init(p))
-                                    for pol, p in zip(run.policies, params)), see=run.state.see)
+def _rl(run: Run, state: RunState, s: DemoSettings, scorer, eval_sets: dict, bar: Progress,
+        label: str) -> tuple[RunState, list[dict], list[tuple]]:
+    """The RL budget from ``state`` through the trainer's rounds (hooks record what the demo reports); returns
+    the final state, per-round metrics and the held-out evaluations every ``s.eval_every`` rounds before the
+    last, ``[(rounds done, {policy: {skill: f}}, seconds)]``."""
     history, evals = [], []
-    for r in range(s.rounds):
-        if bar is not None:
-            bar.start(f"{r} {label}", compile=r == 0 and seed == 0)   # a probe's first round compiles its update
-        rng = np.random.default_rng([seed, r])
-        prompts = run.task.sample_train(s.prompts_per_round, rng)
-        dense = np.asarray([run.dense[p.id] for p in prompts], np.int32)
-        key = jax.random.fold_in(jax.random.key(seed), r)
-        state, metrics, _ = run_round(run.policies, state, prompts, dense, scorer=scorer, key=key, round_index=r,
-                                      num_generations=s.num_generations, view_shape=run.view_shape)
-        history.append(metrics)
-        if eval_sets is not None and s.eval_every and (r + 1) % s.eval_every == 0 and r + 1 < s.rounds:
+    trainer = Trainer(run, scorer)
+    trainer.add_hook(lambda info: history.append(info.metrics))
+
+    def periodic_eval(info):
+        if not info.last:
             t0 = time.perf_counter()
-            evals.append((r + 1, _evaluate(run, state, eval_sets), time.perf_counter() - t0))
-        if bar is not None:
-            bar.done(round_figures(metrics))
+            evals.append((info.round + 1, _evaluate(run, info.state, eval_sets), time.perf_counter() - t0))
+
+    def progress(info):
+        bar.done(round_figures(info.metrics))
+        if not info.last:
+            bar.start(f"{info.round + 1} {label}")
+
+    if s.eval_every:
+        trainer.add_hook(periodic_eval, every=s.eval_every)
+    trainer.add_hook(progress)
+    bar.start(f"0 {label}", compile=True)   # each run's first round compiles its update
+    for info in trainer.rounds(state):
+        state = info.state
     return state, history, evals
 
 
@@ -264,9 +257,6 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
     s = settings or DemoSettings.make(quick, num_seeds)
     probes = list(probes or DEFAULT_PROBES)
     task = demo_task(s.num_facts)
-    runs = {p: Run(demo_config(p, s), task=task, warm=False) for p in probes}
-    first = runs[probes[0]]
-    names = [pol.name for pol in first.policies]
     facts = [p for p in task.eval_prompts() if p.task == "fact"]
     eval_sets = {"fact:A": [p for p in facts if p.meta["part"] == "A"],
                  "fact:B": [p for p in facts if p.meta["part"] == "B"],
@@ -276,23 +266,26 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
     bar = Progress(s.seeds * len(probes) * s.rounds, title="demo")
     with RewardScorer([task_reward(task)]) as scorer, bar:   # the bar stops on an error too
         for seed in range(s.seeds):
-            params = _warm_params(first, seed, s)
-            warm_state = RunState(policies=tuple(PolicyState(params=p, opt_state=None) for p in params),
-                                  see=first.state.see)
+            runs = {p: Run(demo_config(p, s, seed), task=task) for p in probes}
+            first = runs[probes[0]]
+            params = first.warm_params()   # the configs' warm start, the same for every probe: done once
+            warm_state = RunState(policies=tuple(PolicyState(params=p, opt_state=None) for p in params), see=None)
             warm_eval.append(_evaluate(first, warm_state, eval_sets))
             print(f"[demo] seed {seed} warm start: {warm_eval[-1]}", flush=True)
             for probe in probes:
-                state, history, evals = _rl(runs[probe], params, seed, s, scorer, eval_sets=eval_sets, bar=bar,
-                                            label=f"({probe}, seed {seed})")
-                final = _evaluate(runs[probe], state, eval_sets)
+                run = runs[probe]
+                state, history, evals = _rl(run, run.initial_state(params), s, scorer, eval_sets, bar,
+                                            f"({probe}, seed {seed})")
+                final = _evaluate(run, state, eval_sets)
                 curve = [(0, warm_eval[-1])] + [(r, e) for r, e, _ in evals] + [(s.rounds, final)]
                 results[probe].append({"eval": final, "history": history, "curve": curve,
                                        "eval_s": sum(t for _, _, t in evals)})
                 print(f"[demo] seed {seed} {probe}: {results[probe][-1]['eval']}", flush=True)
+    names = [pol.name for pol in first.policies]
     summary = {"settings": dataclasses.asdict(s), "policies": {
         pol.name: {"family": pol.spec.model.family, "tokenizer": pol.tokenizer.name,
-                   "params": int(sum(x.size for x in jax.tree.leaves(st.params))), "own_part": part}
-        for pol, st, part in zip(first.policies, first.state.policies, ("A", "B"))}}
+                   "params": param_count(st), "own_part": pol.spec.warm_start.part}
+        for pol, st in zip(first.policies, first.state_template().policies)}}
     summary["warm_start"] = {n: {c: _stats([w[n][c] for w in warm_eval]) for c in ("own_facts", "foreign_facts", "copy")}
                              for n in names}
     summary["probes"] = _summarise(results, names)

@@ -90,10 +90,10 @@ def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
     if step not in rounds:
         raise ExportError(f"--checkpoint {step}: {run_dir / 'checkpoints'} has no complete checkpoint of that round; "
                           f"complete rounds: {rounds}")
-    run = Run(cfg, warm=False)
+    run = Run(cfg)
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
-        state, meta = ckpt.restore(run.state, step)
+        state, meta = ckpt.restore(run.state_template(), step)
     except CheckpointError as e:
         raise ExportError(str(e)) from e
     finally:
@@ -215,8 +215,8 @@ def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict
                                    lora=dataclasses.replace(spec.lora, rank=0))
     spec = dataclasses.replace(spec, tokenizer=dataclasses.replace(spec.tokenizer, path=str(model_dir)),
                                warm_start=dataclasses.replace(spec.warm_start, steps=0))
-    run = Run(dataclasses.replace(cfg, policies=[spec]), warm=False)
-    state = run.state
+    run = Run(dataclasses.replace(cfg, policies=[spec]))
+    state = run.initial_state()
     if adapter is not None:
         pol, ps = run.policies[0], state.policies[0]
         model = nnx.merge(pol.graphdef, ps.params)

@@ -4,6 +4,7 @@
     exp = see_lib.make_experience(texts, prompt_ids, source=0, rewards=r, src_ids=ids, src_logp=lp, round=t)
     see, info = jax.jit(see_lib.add)(see, exp)        # pure: the old buffer is unchanged
     view = see_lib.build_view(see, consumer=1, prompt_ids=batch_pids, align_batch=fn, ...)   # host
+    # fn(texts, sources, src_ids) -> ViewAlignment (ViewAlignment.from_batches of thl.align_batch results)
 
 Typed records (flax.struct dataclasses of fixed-capacity arrays + a write pointer):
 - ``RolloutRecord`` (data level): prompt id, source policy, completion text (UTF-8 bytes [cap, max_bytes]
@@ -30,12 +31,16 @@ Byte budget: a text longer than ``max_bytes`` is cut, marked ``truncated`` and n
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+if TYPE_CHECKING:
+    from mrl_jax.thl import BatchAlignment
 
 PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 1, 2, 3, -1      # same codes as mrl_jax.probes row kinds
 _HASH_BASE = np.uint32(16777619)
@@ -368,15 +373,64 @@ def peer_stats(see: SEE, consumer: int, prompt_ids: Sequence[int]) -> np.ndarray
     return st
 
 
-def make_view(sel: dict, aligned: dict, *, consumer: int, stats: np.ndarray, max_completion_len: int,
+@dataclasses.dataclass(frozen=True)
+class ViewAlignment:
+    """THL arrays of the M filled slots of a view, in ``select_peers``' ``filled`` order (host numpy):
+    ``dst_ids int32[M, Td]`` (the consumer's tokens), ``dst_chunk int32[M, Td]`` and ``src_chunk int32[M, Ts]``
+    (chunk id per token, -1 = padding), ``chunk_valid bool[M, C]``, ``dst_len int32[M]`` (tokens per row)."""
+
+    dst_ids: np.ndarray
+    dst_chunk: np.ndarray
+    src_chunk: np.ndarray
+    chunk_valid: np.ndarray
+    dst_len: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.dst_len.shape[0])
+
+    @classmethod
+    def from_batches(cls, num_rows: int, parts: Sequence[tuple[np.ndarray, "BatchAlignment"]]) -> "ViewAlignment":
+        """Rows ``rows int[k]`` of the view from each ``thl.BatchAlignment`` (one per source tokenizer) in
+        ``parts = [(rows, batch), ...]``, padded to the widest batch; every row in ``0..num_rows-1`` once."""
+        width = lambda f: max([getattr(b, f).shape[1] for _, b in parts] + [1])
+        out = cls(dst_ids=np.zeros((num_rows, width("dst_ids")), np.int32),
+                  dst_chunk=np.full((num_rows, width("dst_chunk")), -1, np.int32),
+                  src_chunk=np.full((num_rows, width("src_chunk")), -1, np.int32),
+                  chunk_valid=np.zeros((num_rows, width("chunk_valid")), bool), dst_len=np.zeros(num_rows, np.int32))
+        for rows, b in parts:
+            for f in ("dst_ids", "dst_chunk", "src_chunk", "chunk_valid"):
+                getattr(out, f)[rows, :getattr(b, f).shape[1]] = getattr(b, f)
+            out.dst_len[rows] = b.dst_lengths
+        return out
+
+    @classmethod
+    def identity(cls, dst_ids: Sequence[Sequence[int]]) -> "ViewAlignment":
+        """A same-tokenizer exchange (each token its own valid chunk): for tests and policies sharing a tokenizer."""
+        M = len(dst_ids)
+        T = max([len(x) for x in dst_ids] + [1])
+        ids = np.zeros((M, T), np.int32)
+        ch = np.full((M, T), -1, np.int32)
+        for m, x in enumerate(dst_ids):
+            ids[m, :len(x)] = x
+            ch[m, :len(x)] = np.arange(len(x))
+        return cls(dst_ids=ids, dst_chunk=ch, src_chunk=ch.copy(), chunk_valid=ch >= 0,
+                   dst_len=np.array([len(x) for x in dst_ids], np.int32))
+
+
+def make_view(sel: dict, aligned: ViewAlignment, *, consumer: int, stats: np.ndarray, max_completion_len: int,
               max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None, tau: float = 1.0) -> SeeView:
-    """Host: build the consumer's ``SeeView`` from ``select_peers`` output and THL arrays for the filled
-    slots (in ``sel["filled"]`` order): aligned["dst_ids"] int32[M, Td], ["dst_chunk"] int32[M, Td] (-1 pad),
-    ["src_chunk"] int32[M, Ts] (-1 pad), ["chunk_valid"] bool[M, Cm], optional ["dst_len"] int32[M]
-    (default: count of dst_chunk >= 0) — what ``mrl_jax.thl.align_batch`` returns.
+    """Host: build the consumer's ``SeeView`` from ``select_peers`` output and the THL arrays of its filled
+    slots (``aligned``, one row per ``sel["filled"]`` entry).
     eos_id: appended after a non-truncated completion (no chunk: trained by SGT, masked from PRP).
     Retokenizations longer than max_completion_len are cut and flagged truncated; chunks >= max_chunks
     are dropped (their tokens get dst_chunk -1)."""
+    if not isinstance(aligned, ViewAlignment):
+        raise TypeError(f"see.make_view: the alignment is a {type(aligned).__name__}; pass a see.ViewAlignment "
+                        "(ViewAlignment.from_batches of thl.align_batch results, or ViewAlignment.identity).")
+    if aligned.num_rows != len(sel["filled"]):
+        raise ValueError(f"see.make_view: the alignment has {aligned.num_rows} rows for {len(sel['filled'])} filled "
+                         "slots; align exactly the texts select_peers returned, in order.")
     S, Tc, C = len(sel["kind"]), int(max_completion_len), int(max_chunks)
     ids = np.full((S, Tc), pad_id, np.int32)
     mask = np.zeros((S, Tc), np.float32)
@@ -386,9 +440,8 @@ def make_view(sel: dict, aligned: dict, *, consumer: int, stats: np.ndarray, max
     trunc = np.asarray(sel["truncated"], bool).copy()
     kind = np.asarray(sel["kind"], np.int32).copy()
     for m, s in enumerate(sel["filled"]):
-        dc = np.asarray(aligned["dst_chunk"][m])
-        n = int(aligned["dst_len"][m]) if "dst_len" in aligned else int(np.sum(dc >= 0))
-        d_ids, d_ch = np.asarray(aligned["dst_ids"][m])[:n], dc[:n]
+        n = int(aligned.dst_len[m])
+        d_ids, d_ch = aligned.dst_ids[m, :n], aligned.dst_chunk[m, :n]
         if eos_id is not None and not trunc[s]:
             d_ids, d_ch = np.append(d_ids, eos_id), np.append(d_ch, -1)
         if len(d_ids) > Tc:
@@ -397,12 +450,11 @@ def make_view(sel: dict, aligned: dict, *, consumer: int, stats: np.ndarray, max
         L = len(d_ids)
         ids[s, :L], mask[s, :L] = d_ids, 1.0
         dchunk[s, :L] = np.where((d_ch >= 0) & (d_ch < C), d_ch, -1)
-        sc = np.asarray(aligned["src_chunk"][m])
         lp = np.asarray(sel["src_logp"][m], np.float32)
-        sc = sc[: len(lp)]
+        sc = aligned.src_chunk[m, :len(lp)]
         keep = (sc >= 0) & (sc < C)
         np.add.at(sclp[s], sc[keep], lp[: len(sc)][keep])
-        cv = np.asarray(aligned["chunk_valid"][m], bool)[:C]
+        cv = aligned.chunk_valid[m, :C]
         cvalid[s, : len(cv)] = cv
         if L == 0:
             kind[s] = EMPTY
@@ -418,12 +470,11 @@ def build_view(see: SEE, consumer: int, prompt_ids: Sequence[int], align_batch: 
                k_rollouts: int = 4, k_successes: int = 0, k_own: int = 0, max_completion_len: int,
                max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host convenience: select_peers -> align_batch(texts, sources, src_ids) -> make_view.
-    ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns the dict
-    described in ``make_view``."""
+    ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns a ``ViewAlignment``
+    (called only when some slot is filled)."""
     sel = select_peers(see, consumer, prompt_ids, k_rollouts, k_successes, k_own)
     srcs = [int(sel["source"][s]) for s in sel["filled"]]
-    aligned = align_batch(sel["texts"], srcs, sel["src_ids"]) if sel["filled"] else {
-        "dst_ids": [], "dst_chunk": [], "src_chunk": [], "chunk_valid": []}
+    aligned = align_batch(sel["texts"], srcs, sel["src_ids"]) if sel["filled"] else ViewAlignment.identity([])
     return make_view(sel, aligned, consumer=consumer, stats=peer_stats(see, consumer, prompt_ids),
                      max_completion_len=max_completion_len, max_chunks=max_chunks, pad_id=pad_id,
                      eos_id=eos_id, tau=see.tau)
@@ -441,19 +492,3 @@ def empty_view(num_prompts: int, slots_per_prompt: int, max_completion_len: int,
                    truncated=jnp.zeros((S,), bool),
                    peer_stats=jnp.zeros((num_prompts, num_policies, 4), jnp.float32),
                    consumer=jnp.asarray(consumer, jnp.int32), tau=jnp.asarray(tau, jnp.float32))
-
-
-def identity_alignment(dst_ids: Sequence[Sequence[int]]) -> dict:
-    """THL arrays for a same-tokenizer exchange (each token its own valid chunk) — for tests and for
-    policies that share a tokenizer."""
-    M = len(dst_ids)
-    T = max([len(x) for x in dst_ids] + [1])
-    ids = np.zeros((M, T), np.int32)
-    ch = np.full((M, T), -1, np.int32)
-    valid = np.zeros((M, T), bool)
-    for m, x in enumerate(dst_ids):
-        ids[m, :len(x)] = x
-        ch[m, :len(x)] = np.arange(len(x))
-        valid[m, :len(x)] = True
-    return {"dst_ids": ids, "dst_chunk": ch, "src_chunk": ch.copy(), "chunk_valid": valid,
-            "dst_len": np.array([len(x) for x in dst_ids], np.int32)}

@@ -88,17 +88,16 @@ def main(root: Path) -> dict:
     res["plan_txt"] = (root / "eight" / "plan.txt").read_text()
 
     # -- every leaf on its mesh (params, opt state, ref params) in a built run and after one round
-    run = Run(cfg_of(**{"policies.0.grpo": {"beta": 0.04}}), warm=False)
-    res["ref_held"] = run.state.policies[0].ref_params is not None
-    res["leaves_on_mesh_built"] = [leaves_on(s, m) for s, m in zip(run.state.policies, run.placement.meshes)]
+    run = Run(cfg_of(**{"policies.0.grpo": {"beta": 0.04}}))
+    built = run.initial_state()
+    res["ref_held"] = built.policies[0].ref_params is not None
+    res["leaves_on_mesh_built"] = [leaves_on(s, m) for s, m in zip(built.policies, run.placement.meshes)]
 
     # -- one whole round under transfer_guard("disallow") (device parts), timestamps of dispatch / ready
-    run = Run(cfg_of(), warm=False)
+    run = Run(cfg_of())
     with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
-        prompts, dense = run.round_prompts(0)
-        state, metrics, _ = run_round(run.policies, run.state, prompts, dense, scorer=scorer, key=run.round_key(0),
-                                      round_index=0, num_generations=run.cfg.num_generations,
-                                      view_shape=run.view_shape, device_guard="disallow")
+        state, metrics, _ = run_round(run.policies, run.initial_state(), run.round_inputs(0), scorer,
+                                      device_guard="disallow")
     res["guard_round_ok"] = True
     res["leaves_on_mesh_round0"] = [leaves_on(s, m) for s, m in zip(state.policies, run.placement.meshes)]
     res["sharded_leaves_round0"] = sharded_leaves(state.policies)
@@ -148,11 +147,11 @@ def by_path(tree) -> dict:
 def restore4(root: Path) -> dict:
     """Restore the 8-device run's checkpoint on 4 devices: values equal, every leaf on the new plan's meshes."""
     out = root / "eight"
-    run = Run(cfg_of(rounds=2), warm=False)
+    run = Run(cfg_of(rounds=2))
     ck = RunCheckpointer(out)
     try:
         saved, meta = ck.read()
-        state, _ = ck.restore(run.state)   # straight onto the 4-device plan's shardings (no run.place needed)
+        state, _ = ck.restore(run.state_template())   # straight onto the 4-device plan's shardings (no run.place)
     finally:
         ck.close()
     want, got = by_path(saved["policies"]), by_path(state.policies)

@@ -135,7 +135,8 @@ def test_sampler_stops_on_the_second_stop_id_and_decoding_strips_it(shared_token
                                 "num_generations": 2, "prompts_per_round": 2, "rounds": 1})
     stop = 32001  # the second id of the stop set
     model = _stop_model(tok.vocab_size, stop)
-    pol, st = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    st = pol.init_state(params)
     assert pol.sampling.eos_ids == (32000, 32001, 32007) and pol.prompt_format.is_chat
     ids, mask, _ = encode_prompts(tok, pol.prompt_format, PROMPTS)
     greedy = SamplingConfig(**{**pol.sampling.__dict__, "greedy": True})

@@ -40,12 +40,12 @@ def run(tmp_path_factory):
         "rounds": 2, "checkpoint_every": 1, "policies.0.probes": "none", "policies.1.probes": "none",
         "policies.1.lora": {"rank": 2, "alpha": 4.0}, "policies.1.optimizer.learning_rate": 0.05}))
     train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
-    built = Run(cfg, warm=False)
+    built = Run(cfg)
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
-    state, _ = ckpt.restore(built.state)
+    state, _ = ckpt.restore(built.state_template())
     ckpt.close()
     pols = {p.name: (p, s) for p, s in zip(built.policies, state.policies)}
-    return out, cfg, pols, built.state
+    return out, cfg, pols, built.initial_state()
 
 
 def _tree_digest(root: Path) -> dict:

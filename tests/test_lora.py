@@ -135,7 +135,8 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
                               intermediate_size=16)
     base_state = nnx.split(nnx.clone(model))
-    pol, st = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    st = pol.init_state(params)
     assert st.ref_params is None and pol.ref_logp is None  # no copy of the base is held
     params = st.params
     adapters, frozen = lora_lib.split_adapters(params)
@@ -164,7 +165,8 @@ def _update_figures(rank: int) -> tuple[int, dict]:
     tok, cfg = _tiny_run({"rank": rank, "alpha": 16.0} if rank else {})
     model = models.tiny_model("llama", 512, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2,
                               intermediate_size=512)
-    pol, st = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    st = pol.init_state(params)
     batch, view = _batch(512), see.empty_view(2, 1, 3, 3, 1)
     grpo_cfg = dataclasses.replace(cfg.policies[0].grpo, num_generations=2, max_completion_length=3)
     if rank:
@@ -200,7 +202,8 @@ def test_adapter_dropout_acts_in_the_update_only(rate):
     tok, cfg = _tiny_run({"rank": 2, "alpha": 4.0, "dropout": rate})
     model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
                               intermediate_size=16)
-    pol, st = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    st = pol.init_state(params)
     adapters, frozen = lora_lib.split_adapters(st.params)
     adapters = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)
     params = nnx.merge_state(adapters, frozen)

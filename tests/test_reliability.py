@@ -149,7 +149,7 @@ def test_existing_checkpoints_need_resume(reference, tmp_path, capsys):
 # ------------------------------------------------------------------------------- bad checkpoints
 @pytest.fixture(scope="module")
 def template():
-    return Run(cfg_of(**base_overrides()), warm=False).state
+    return Run(cfg_of(**base_overrides())).state_template()
 
 
 def test_corrupted_checkpoint_names_dir_and_fix(reference, tmp_path, template):
@@ -348,7 +348,7 @@ def test_unsupported_model_type_names_file_and_supported(tmp_path, local_checkpo
     cfg = cfg_of(**{"policies.0.model": {"path": str(bert)},
                     "policies.0.tokenizer": {"path": str(local_checkpoint / "tokenizer")}})
     with pytest.raises(ConfigError) as e:
-        Run(cfg, warm=False)
+        Run(cfg)
     msg = str(e.value)
     assert "policies.llama_bpe.model.path" in msg and "config.json" in msg and "'bert'" in msg
     assert "supported model types" in msg and "llama" in msg
@@ -358,7 +358,7 @@ def test_tokenizer_larger_than_embedding_names_both(local_checkpoint):
     cfg = cfg_of(**{"policies.0.model": {"path": str(local_checkpoint / "model")},
                     "policies.0.tokenizer": {"path": str(local_checkpoint / "tokenizer")}})
     with pytest.raises(ConfigError) as e:
-        Run(cfg, warm=False)
+        Run(cfg)
     msg = str(e.value)
     assert "policies.llama_bpe.tokenizer.path" in msg and str(local_checkpoint / "tokenizer") in msg
     assert "only 100 rows" in msg and "Use the tokenizer saved with this model" in msg
@@ -367,7 +367,7 @@ def test_tokenizer_larger_than_embedding_names_both(local_checkpoint):
 def test_missing_tokenizer_file_names_key(tmp_path):
     cfg = cfg_of(**{"policies.0.tokenizer": {"path": str(tmp_path / "missing")}})
     with pytest.raises(ConfigError, match=r"policies\.llama_bpe\.tokenizer\.path"):
-        Run(cfg, warm=False)
+        Run(cfg)
 
 
 # ---------------------------------------------------------------------------------- prompt lengths
@@ -381,12 +381,12 @@ def test_overlong_prompts_truncated_and_counted(tmp_path):
     assert summary["prompts"]["train_prompts_overlong"] > 0
     records = soak.training_records(out)
     assert [r["data/prompts_truncated"] for r in records] == [4.0, 4.0]
-    run = Run(cfg, warm=False)
-    prompts, _, counts = run.round_data(0)
-    assert counts["data/prompts_truncated"] == 4.0
-    lengths = run._prompt_lengths([p.text for p in prompts])
+    run = Run(cfg)
+    inputs = run.round_inputs(0)
+    assert inputs.counts["data/prompts_truncated"] == 4.0
+    lengths = run._prompt_lengths([p.text for p in inputs.prompts])
     assert lengths[:, 1].max() <= 10
-    assert all(p.text.endswith("=") for p in prompts)  # the tail (the question's end) is kept
+    assert all(p.text.endswith("=") for p in inputs.prompts)  # the tail (the question's end) is kept
 
 
 def test_overlong_prompts_rejected_or_clear_error(tmp_path):
@@ -399,18 +399,18 @@ def test_overlong_prompts_rejected_or_clear_error(tmp_path):
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     task = JsonlTask(str(path), seed=0)
     cfg = cfg_of(**{"policies.0.max_prompt_length": 24, "policies.1.max_prompt_length": 24})
-    run = Run(cfg, task=task, warm=False)
+    run = Run(cfg, task=task)
     assert run.prompt_stats["train_prompts_overlong"] > 0
     total = 0.0
     for r in range(6):
-        prompts, dense, counts = run.round_data(r)
-        assert len(prompts) == 4 and all(len(p.text) < 20 for p in prompts)
-        total += counts["data/prompts_rejected"]
+        inputs = run.round_inputs(r)
+        assert len(inputs.prompts) == 4 and all(len(p.text) < 20 for p in inputs.prompts)
+        total += inputs.counts["data/prompts_rejected"]
     assert total > 0
-    assert run.round_data(3)[0] == run.round_data(3)[0]  # still a function of (seed, round)
+    assert run.round_inputs(3).prompts == run.round_inputs(3).prompts  # still a function of (seed, round)
     tight = cfg_of(**{"policies.0.max_prompt_length": 3})
     with pytest.raises(ConfigError) as e:
-        Run(tight, task=task, warm=False)
+        Run(tight, task=task)
     assert "max_prompt_length" in str(e.value) and "overlong_prompts: truncate" in str(e.value)
 
 

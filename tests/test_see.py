@@ -62,7 +62,7 @@ def test_cut_text_is_truncated_never_a_success_and_counted():
     assert _texts(buf.successes) == ["42"]
     sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=2)
     toks = [[ord(c) for c in t] for t in sel["texts"]]
-    view = S.make_view(sel, S.identity_alignment(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
+    view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
                        max_completion_len=8, max_chunks=8, eos_id=99)
     cut_slot = sel["texts"].index("the ")
     assert bool(view.truncated[cut_slot]) and 99 not in list(np.asarray(view.ids[cut_slot]))   # no EOS
@@ -108,7 +108,7 @@ def test_latest_round_stats_and_view():
     assert sorted(texts[s] for s in (0, 1)) == ["p1a", "p1b"] and texts[2] == "old"   # archived success
     assert list(kinds[0]) == [S.PEER, S.PEER, S.ARCHIVE] and list(kinds[1]) == [S.PEER, S.EMPTY, S.EMPTY]
     toks = [[ord(c) for c in t] for t in sel["texts"]]
-    view = S.make_view(sel, S.identity_alignment(toks), consumer=0, stats=S.peer_stats(buf, 0, [2, 3]),
+    view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [2, 3]),
                        max_completion_len=4, max_chunks=4, eos_id=99)
     assert view.ids.shape == (6, 4) and view.peer_stats.shape == (2, 3, 4)
     assert float(view.peer_stats[:, 0].sum()) == 0.0                     # consumer column zeroed

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 def _run(**overrides):
-    return Run(soak.to_run_config(soak.tiny_config(**overrides)))
+    """``(run, its initial state)`` of the tiny config with ``overrides``."""
+    run = Run(soak.to_run_config(soak.tiny_config(**overrides)))
+    return run, run.initial_state()
 
 
 class _Recorder:
@@ -40,15 +42,12 @@ class _Recorder:
             self.policies.append(pol.__class__(**{**pol.__dict__, "update": rec}))
 
 
-def _rounds(run, n, policies=None):
-    state, out = run.state, []
+def _rounds(run, state, n, policies=None):
+    out = []
     # digit_reward (the soak's signal reward): rewards vary from round 0, so the policy moves
     with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
         for r in range(n):
-            prompts, dense = run.round_prompts(r)
-            state, metrics, _ = run_round(policies or run.policies, state, prompts, dense, scorer=scorer,
-                                          key=run.round_key(r), round_index=r,
-                                          num_generations=run.cfg.num_generations, view_shape=run.view_shape)
+            state, metrics, _ = run_round(policies or run.policies, state, run.round_inputs(r), scorer)
             out.append(metrics)
     return state, out
 
@@ -56,13 +55,13 @@ def _rounds(run, n, policies=None):
 # ----------------------------------------------------------------------------- the KL reference
 
 def test_kl_reference_is_the_starting_policy_and_k3_matches_by_hand():
-    run = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+    run, start = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
                   "policies.0.optimizer": {"learning_rate": 0.05}})
-    pol, st = run.policies[0], run.state.policies[0]
-    assert run.state.policies[1].ref_params is None                      # beta = 0: no reference held
+    pol, st = run.policies[0], start.policies[0]
+    assert start.policies[1].ref_params is None                      # beta = 0: no reference held
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), st.ref_params, st.params)
     rec = _Recorder(run)
-    state, metrics = _rounds(run, 2, rec.policies)
+    state, metrics = _rounds(run, start, 2, rec.policies)
     assert abs(metrics[0][pol.name]["kl"]) < 1e-6                       # round 0: policy == reference
     # round 1: k3 of the params the update saw against the starting params, over own completion tokens
     params1, batch, _ = rec.calls[pol.name][1]
@@ -82,27 +81,27 @@ def test_kl_reference_is_the_starting_policy_and_k3_matches_by_hand():
 
 
 def test_reference_sync_mixes_toward_the_policy():
-    run = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+    run, start = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
                   "policies.0.ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 2,
                                            "ref_model_mixup_alpha": 0.25}})
-    ref0 = jax.tree.map(np.asarray, run.state.policies[0].ref_params)
-    s1, _ = _rounds(run, 1)
+    ref0 = jax.tree.map(np.asarray, start.policies[0].ref_params)
+    s1, _ = _rounds(run, start, 1)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, s1.policies[0].ref_params), ref0)  # step 1
-    run2 = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
+    run2, start2 = _run(**{"policies.0.grpo": {"beta": 0.04}, "policies.0.probes": "none", "policies.1.probes": "none",
                    "policies.0.ref_model": {"sync_ref_model": True, "ref_model_sync_steps": 2,
                                             "ref_model_mixup_alpha": 0.25}})
-    s2, _ = _rounds(run2, 2)                                             # step 2: synced once
+    s2, _ = _rounds(run2, start2, 2)                                             # step 2: synced once
     expect = jax.tree.map(lambda p, r: 0.25 * np.asarray(p) + 0.75 * r, s2.policies[0].params, ref0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7),
                  s2.policies[0].ref_params, expect)
 
 
 def test_reference_is_checkpointed(tmp_path):
-    run = _run(**{"policies.0.grpo": {"beta": 0.04}})
-    state, _ = _rounds(run, 1)
+    run, start = _run(**{"policies.0.grpo": {"beta": 0.04}})
+    state, _ = _rounds(run, start, 1)
     ck = RunCheckpointer(tmp_path)
     ck.save(0, state, {"round": 0})
-    restored, _ = ck.restore(_run(**{"policies.0.grpo": {"beta": 0.04}}).state)
+    restored, _ = ck.restore(_run(**{"policies.0.grpo": {"beta": 0.04}})[0].state_template())
     ck.close()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored.policies[0].ref_params, state.policies[0].ref_params)
@@ -114,10 +113,10 @@ def test_greedy_peer_fills_every_prp_slot_every_round():
     """A greedy peer repeats one completion G times per prompt; the consumer's PRP gets
     peer_rollouts_per_prompt rows of it per prompt in every round (de-duplication left 1, then 0)."""
     k = 4
-    run = _run(**{"policies.0.probes": "prp", "policies.1.probes": "none",
+    run, start = _run(**{"policies.0.probes": "prp", "policies.1.probes": "none",
                   "policies.1.sampling": {"max_new_tokens": 6, "top_k": 1}, "see.peer_rollouts_per_prompt": k})
     rec = _Recorder(run)
-    _, metrics = _rounds(run, 2, rec.policies)
+    _, metrics = _rounds(run, start, 2, rec.policies)
     P = run.cfg.prompts_per_round
     for r in range(2):
         view = rec.calls[run.policies[0].name][r][2]
@@ -145,9 +144,9 @@ def test_probe_options_agreeing_with_the_run_are_accepted():
 
 
 def test_text_budget_fits_the_longest_tokens():
-    run = _run()
+    run, start = _run()
     need = max(int(p.tokenizer.byte_table.lengths.max()) * p.completion_length for p in run.policies)
-    assert run.state.see.rollouts.text.shape[1] == need == text_budget(0, run.policies)
+    assert start.see.rollouts.text.shape[1] == need == text_budget(0, run.policies)
     with pytest.raises(ConfigError, match=r"see\.max_text_bytes.*>= %d" % need):
         text_budget(need - 1, run.policies)
 

@@ -183,15 +183,15 @@ def test_experiment_configs_differ_only_in_probes():
 # --------------------------------------------------------------------------------- loop pieces
 def test_round_prompts_are_a_function_of_seed_and_round():
     cfg = soak.to_run_config(soak.tiny_config())
-    a, b = Run(cfg, warm=False), Run(cfg, warm=False)
+    a, b = Run(cfg), Run(cfg)
     for r in (0, 5):
-        pa, da = a.round_prompts(r)
-        pb, db = b.round_prompts(r)
-        assert pa == pb and np.array_equal(da, db) and len(pa) == cfg.prompts_per_round
-    assert a.round_prompts(0)[0] != a.round_prompts(1)[0]
+        ia, ib = a.round_inputs(r), b.round_inputs(r)
+        assert ia.prompts == ib.prompts and np.array_equal(ia.dense_ids, ib.dense_ids)
+        assert len(ia.prompts) == cfg.prompts_per_round and ia.index == r
+    assert a.round_inputs(0).prompts != a.round_inputs(1).prompts
     import jax
 
-    assert np.array_equal(jax.random.key_data(a.round_key(3)), jax.random.key_data(b.round_key(3)))
+    assert np.array_equal(jax.random.key_data(a.round_inputs(3).key), jax.random.key_data(b.round_inputs(3).key))
 
 
 def test_run_log_truncates_resumed_rounds_and_torn_lines(tmp_path):

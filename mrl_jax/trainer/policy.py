@@ -1,5 +1,6 @@
-"""A policy of an MRL run: its static parts (graph, tokenizer, template, sampler and update functions)
-and its state (params, optimizer state), built from a ``PolicySpec``.
+"""A policy of an MRL run: one record of its static parts (spec, tokenizer, prompt format, sampler, mesh,
+jitted rollout / update / reference steps, SEE view layout) and its state (params, optimizer state, reference),
+built from a ``PolicySpec``.
 
 ``Policy`` holds only what never changes during a run (hashable config, compiled functions); the
 changing arrays live in ``PolicyState``, a pytree the round passes in and returns.
@@ -23,6 +24,20 @@ from mrl_jax.probes import Probe, make_probe
 from mrl_jax.rollout import SamplingConfig
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
+
+
+@struct.dataclass
+class ViewShape:
+    """Static layout of a consumer's SEE view slots per prompt (the same for every probe, so every probe
+    compiles the same shapes)."""
+
+    peer_rollouts: int = struct.field(pytree_node=False, default=8)
+    peer_successes: int = struct.field(pytree_node=False, default=2)
+    own_successes: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def slots(self) -> int:
+        return self.peer_rollouts + self.peer_successes + self.own_successes
 
 
 @struct.dataclass
@@ -50,6 +65,9 @@ class Policy:
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
     mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
     rollout: Optional[Callable] = None  # (params, prompt_ids, prompt_mask, key) -> Rollout, jitted for ``mesh``
+    num_generations: int = 1  # G: completions per prompt
+    view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
+    prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
 
     @property
     def name(self) -> str:
@@ -58,6 +76,11 @@ class Policy:
     @property
     def completion_length(self) -> int:
         return self.sampling.max_new_tokens
+
+    def init_state(self, params, ref_params=None) -> PolicyState:
+        """``params`` with a fresh optimizer state (a LoRA policy's covers its adapters only)."""
+        trainable = lora_lib.split_adapters(params)[0] if self.spec.lora.rank else params
+        return PolicyState(params=params, opt_state=self.optimizer.init(trainable), ref_params=ref_params)
 
 
 def build_tokenizer(spec: PolicySpec, corpus: Sequence[str], cache_dir: str | None = None) -> Tokenizer:
@@ -164,11 +187,27 @@ def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Ca
     return update
 
 
-def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig) -> tuple[Policy, PolicyState]:
-    """Split ``model`` into graph and params, build the optimizer, sampler config and jitted update.
+def prompt_limit(spec: PolicySpec, model) -> int:
+    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length."""
+    if spec.max_prompt_length:
+        return spec.max_prompt_length
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context is None:
+        return 1 << 30
+    limit = int(context) - spec.sampling.max_new_tokens
+    if limit < 1:
+        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {spec.sampling.max_new_tokens} "
+                          f"leaves no room for a prompt in the model's context of {context} tokens; lower it.")
+    return limit
 
-    ``spec.lora.rank > 0``: ``model`` gets adapters (``add_lora``); ``PolicyState.params`` is then the full
-    state (base + adapters, what the sampler and checkpoints use) and ``opt_state`` covers the adapters only."""
+
+def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig) -> tuple[Policy, Any]:
+    """The policy record of ``model`` (graph, optimizer, sampler config, jitted update) and its params.
+
+    ``spec.lora.rank > 0``: ``model`` gets adapters (``add_lora``); the params are then the full state (base +
+    adapters, what the sampler and checkpoints use) and ``Policy.init_state`` gives an optimizer state of the
+    adapters only."""
+    limit = prompt_limit(spec, model)
     model = add_lora(spec, model, seed=run.seed * 1000 + index)
     graphdef, params = nnx.split(model)
     opt = spec.optimizer
@@ -181,10 +220,8 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                                    temperature=spec.sampling.temperature)
     if spec.lora.rank:
         update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
-        trainable = lora_lib.split_adapters(params)[0]
     else:
         update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
-        trainable = params
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
@@ -192,10 +229,15 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     ref_logp = make_logp_fn(graphdef, grpo_cfg, opt.micro_batch_size) if grpo_cfg.beta > 0 and not spec.lora.rank \
         else None  # a LoRA policy's reference (adapters off) is scored inside its update
+    see = run.see
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
                     probe=probe, optimizer=optimizer, update=update, ref_logp=ref_logp,
-                    prompt_format=build_prompt_format(spec, tokenizer))
-    return policy, PolicyState(params=params, opt_state=optimizer.init(trainable))
+                    prompt_format=build_prompt_format(spec, tokenizer), num_generations=run.num_generations,
+                    view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
+                                         peer_successes=see.peer_successes_per_prompt,
+                                         own_successes=see.own_successes_per_prompt),
+                    prompt_limit=limit)
+    return policy, params
 
 
 def param_count(state: PolicyState) -> int:

@@ -20,9 +20,15 @@ from mrl_jax import models
 from mrl_jax.configs import ConfigError
 
 
+def holds_reference(spec) -> bool:
+    """Whether a policy (``PolicySpec``) holds reference params: beta > 0 and no LoRA (a LoRA policy's reference
+    is its base with the adapters off, scored in the update: no copy)."""
+    return spec.grpo.beta != 0.0 and not spec.lora.rank
+
+
 def initial_reference(spec, params) -> Optional[Any]:
     """Reference params of a policy spec (``PolicySpec``) given its starting params; None when beta = 0."""
-    if spec.grpo.beta == 0.0 or spec.lora.rank:  # LoRA: the base with adapters off, scored in the update (no copy)
+    if not holds_reference(spec):
         return None
     path = spec.ref_model.path
     if path is None:

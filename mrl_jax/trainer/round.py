@@ -4,9 +4,10 @@
     -> SEE.add of every policy's experience -> per consumer: THL view of the peers' texts
     -> update_i (dispatched for every policy) -> metrics
 
-``run_round(policies, state, prompts, ...) -> (state, metrics, samples)`` has no hidden state: the
-arrays come in through ``RunState`` and go out in a new one. Wall time is split per phase in
-``metrics[name]["time/<phase>"]``.
+``run_round(policies, state, inputs, scorer) -> (state, metrics, samples)`` has no hidden state: the
+arrays come in through ``RunState`` and go out in a new one; ``inputs`` (``RoundInputs``) holds the round's
+prompts, dense SEE prompt ids, key and index. Inside, each policy's pieces of the round travel in one
+``_Lane`` record. Wall time is split per phase in ``metrics[name]["time/<phase>"]``.
 
 Placement (MWRA, `mrl_jax.trainer.placement`): a policy with a ``mesh`` has its rollout and update jitted for
 that mesh. Its prompt rows are padded to a multiple of the data axis with copies of the last prompt (their
@@ -19,9 +20,10 @@ enter the group / batch statistics and the per-sequence denominators); the consu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,6 @@ from mrl_jax import thl
 from mrl_jax.learner import Batch
 from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
-from mrl_jax.tasks import Prompt
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
@@ -49,17 +50,17 @@ class RunState:
     see: see_lib.SEE
 
 
-@struct.dataclass
-class ViewShape:
-    """Static layout of the peer slots (same for every probe, so every probe compiles the same shapes)."""
+@dataclasses.dataclass(frozen=True)
+class RoundInputs:
+    """One round's data: ``prompts`` [P], their dense SEE prompt ids ``dense_ids int32[P]``, the round's PRNG
+    ``key``, its ``index`` and the prompt-length counts (``data/prompts_rejected``, ``data/prompts_truncated``,
+    copied into every policy's metrics)."""
 
-    peer_rollouts: int = struct.field(pytree_node=False, default=8)
-    peer_successes: int = struct.field(pytree_node=False, default=2)
-    own_successes: int = struct.field(pytree_node=False, default=1)
-
-    @property
-    def slots(self) -> int:
-        return self.peer_rollouts + self.peer_successes + self.own_successes
+    index: int
+    prompts: tuple
+    dense_ids: np.ndarray
+    key: jax.Array
+    counts: dict = dataclasses.field(default_factory=dict)
 
 
 _see_add = jax.jit(see_lib.add)
@@ -78,24 +79,41 @@ class PhaseTimer:
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list):
-    """``align_batch(texts, sources, src_ids)`` for ``see.build_view``: THL per source tokenizer."""
+@dataclasses.dataclass
+class _Lane:
+    """One policy's pieces of one round, filled phase by phase (host arrays unless noted)."""
 
-    def align(texts, sources, src_ids):
-        n = len(texts)
-        out = {"dst_ids": [None] * n, "dst_chunk": [None] * n, "src_chunk": [None] * n,
-               "chunk_valid": [None] * n, "dst_len": np.zeros(n, np.int32)}
+    pol: Policy
+    ps: PolicyState
+    ids: np.ndarray = None          # int32[P, Tp] prompt ids (prefilled once)
+    mask: np.ndarray = None         # [P, Tp]
+    out: Any = None                 # Rollout: tokens int32[P*G, Tc], logprobs f32[P*G, Tc], mask, lengths, truncated
+    texts: list = None              # [P*G] decoded completions
+    content: list = None            # [P*G] content token ids (no stop token / pads)
+    score: Any = None               # ScoreResult: rewards f32[P*G], stats
+    see_info: dict = None           # SEE insertion counters
+    view: Any = None                # SeeView of this consumer
+    thl: list = dataclasses.field(default_factory=list)   # THL metrics of each align_batch call
+    staged: tuple = None            # (Batch, SeeView, update keys) on the policy's mesh
+    new_state: PolicyState = None
+    raw: dict = None                # update metrics (device, then host)
+    stamps: dict = dataclasses.field(default_factory=dict)   # seconds since the round began
+
+
+def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list):
+    """``align_batch(texts, sources, src_ids) -> see.ViewAlignment`` for ``see.build_view``: one THL
+    ``align_batch`` per source tokenizer (its metrics appended to ``thl_metrics``)."""
+
+    def align(texts, sources, src_ids) -> see_lib.ViewAlignment:
         sources = np.asarray(sources)
+        parts = []
         for j in np.unique(sources):
             rows = np.nonzero(sources == j)[0]
             ba = thl.align_batch([texts[m] for m in rows], policies[int(j)].tokenizer, consumer.tokenizer,
                                  [src_ids[m] for m in rows], max_chunks=max_chunks)
             thl_metrics.append(ba.metrics)
-            for k, m in enumerate(rows):
-                out["dst_ids"][m], out["dst_chunk"][m] = ba.dst_ids[k], ba.dst_chunk[k]
-                out["src_chunk"][m], out["chunk_valid"][m] = ba.src_chunk[k], ba.chunk_valid[k]
-                out["dst_len"][m] = ba.dst_lengths[k]
-        return out
+            parts.append((rows, ba))
+        return see_lib.ViewAlignment.from_batches(len(texts), parts)
 
     return align
 
@@ -117,13 +135,13 @@ def _replicated(pol: Policy, x):
     return mwra.put(x, jax.sharding.NamedSharding(pol.mesh, mwra.REPLICATED))
 
 
-def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key, G: int):
+def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout (not awaited). On a mesh: prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly."""
     if pol.mesh is None or pol.rollout is None or generate is not _rollout.generate:
         # unpinned: no mesh, or this module's ``generate`` replaced (tests inject degenerate samples that way)
         return generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), key, pol.sampling,
-                        num_samples=G)
+                        num_samples=pol.num_generations)
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     rows = mwra.batch_sharding(pol.mesh)
     return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
@@ -153,134 +171,144 @@ def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, keys: Seque
     return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
 
 
-def run_round(policies: Sequence[Policy], state: RunState, prompts: Sequence[Prompt], dense_ids: np.ndarray, *,
-              scorer, key: jax.Array, round_index: int, num_generations: int, view_shape: ViewShape,
+def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guard, t0: float) -> None:
+    """Every policy's rollout dispatched before any result is read; results fetched to the host, trimmed."""
+    for ln in lanes:
+        ln.ids, ln.mask, _ = encode_prompts(ln.pol.tokenizer, ln.pol.prompt_format, texts)   # [P, Tp]
+        with guard():
+            ln.out = _dispatch_rollout(ln.pol, ln.ps, ln.ids, ln.mask, keys[ln.pol.index])
+        ln.stamps["rollout_dispatched"] = time.perf_counter() - t0
+    for ln in lanes:
+        ln.stamps["rollout_read"] = time.perf_counter() - t0
+        ln.out = _trim(fetch(ln.pol.mesh, ln.out), len(texts) * ln.pol.num_generations)   # several processes: broadcast
+        ln.stamps["rollout_ready"] = time.perf_counter() - t0
+
+
+def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
+    """Every policy's samples of the round into SEE (``see.add``); returns the new buffer."""
+    max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
+    for ln in lanes:
+        lps = [ln.out.logprobs[b, :len(c)] for b, c in enumerate(ln.content)]
+        exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
+                                      ln.score.rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
+                                      round=inputs.index, max_bytes=max_bytes, max_src_tokens=max_src)
+        see, ln.see_info = _see_add(see, exp)
+    return see
+
+
+def _views(see, lanes: Sequence[_Lane], dense_ids: np.ndarray) -> None:
+    """Each consumer's SEE view: THL-aligned peer rows when its probe needs peers, else an empty view."""
+    policies = [ln.pol for ln in lanes]
+    for ln in lanes:
+        pol, vs, Tc = ln.pol, ln.pol.view_shape, ln.pol.completion_length
+        if pol.probe.needs_peers:
+            ln.view = see_lib.build_view(
+                see, pol.index, dense_ids, _aligner(pol, policies, Tc, ln.thl), k_rollouts=vs.peer_rollouts,
+                k_successes=vs.peer_successes, k_own=vs.own_successes, max_completion_len=Tc, max_chunks=Tc,
+                pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
+        else:
+            stats = see_lib.peer_stats(see, pol.index, dense_ids)
+            ln.view = see_lib.empty_view(len(dense_ids), vs.slots, Tc, Tc, len(lanes), consumer=pol.index,
+                                         tau=see.tau).replace(peer_stats=jnp.asarray(stats))
+
+
+def _stage(lanes: Sequence[_Lane], keys: Sequence) -> None:
+    """Every policy's update inputs on its mesh (before any update is dispatched)."""
+    for ln in lanes:
+        pol, out, view = ln.pol, ln.out, ln.view
+        if pol.mesh is None:
+            batch = Batch(prompt_ids=jnp.asarray(ln.ids), prompt_mask=jnp.asarray(ln.mask),
+                          completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
+                          old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
+                          rewards=jnp.asarray(ln.score.rewards), truncated=jnp.asarray(out.truncated))
+        else:   # host numpy -> the policy's mesh, rows split over the data axis where they divide it
+            batch = mwra.shard_batch(Batch(
+                prompt_ids=np.asarray(ln.ids), prompt_mask=np.asarray(ln.mask), completion_ids=np.asarray(out.tokens),
+                completion_mask=np.asarray(out.mask, np.float32), old_logp=np.asarray(out.logprobs),
+                ref_logp=np.zeros(out.logprobs.shape, np.float32), rewards=np.asarray(ln.score.rewards, np.float32),
+                truncated=np.asarray(out.truncated)), pol.mesh, strict=False)
+            view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
+        ln.staged = (batch, view, _iteration_keys(pol, keys[len(lanes) + pol.index]))
+
+
+def _updates(lanes: Sequence[_Lane], round_index: int, guard, t0: float) -> None:
+    """Every policy's update dispatched before any metric is read; the metrics fetched once."""
+    for ln in lanes:
+        batch, view, ukeys = ln.staged
+        with guard():
+            if ln.ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
+                batch = batch.replace(ref_logp=ln.pol.ref_logp(ln.ps.ref_params, batch))
+            ln.new_state, ln.raw = _update_policy(ln.pol, ln.ps, batch, view, ukeys, round_index)
+        ln.stamps["update_dispatched"] = time.perf_counter() - t0
+    for ln in lanes:
+        ln.stamps["update_read"] = time.perf_counter() - t0
+        jax.block_until_ready(ln.raw)
+        ln.stamps["update_ready"] = time.perf_counter() - t0
+    if jax.process_count() == 1:
+        raws = jax.device_get([ln.raw for ln in lanes])   # the round's one metrics fetch
+    else:   # each policy's metrics read where its mesh is, broadcast to every process
+        raws = [fetch(ln.pol.mesh, ln.raw) for ln in lanes]
+    for ln, raw in zip(lanes, raws):
+        ln.raw = raw
+
+
+def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> dict:
+    """One policy's scalar metrics of the round and its per-prompt outcomes (``groups``)."""
+    r = ln.score.rewards.reshape(len(inputs.prompts), ln.pol.num_generations)
+    m = {k: float(np.asarray(v)) for k, v in ln.raw.items() if np.ndim(v) == 0}
+    m.update({k: v for k, v in ln.score.stats.items() if np.isscalar(v)})
+    m.update({"reward/mean": float(r.mean()), "reward/success_rate": float((r >= tau).mean()),
+              "completion/mean_length": float(np.asarray(ln.out.lengths).mean()),
+              "completion/truncated": float(np.asarray(ln.out.truncated).mean())})
+    m.update({f"see/{k}": float(np.asarray(v)) for k, v in ln.see_info.items()})
+    m.update(_mean_metrics(ln.thl, "thl/"))
+    m.update({f"time/{k}": v for k, v in times.items()})
+    m.update({f"time/{k}": v for k, v in ln.stamps.items()})
+    # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
+    # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
+    m["groups"] = {"prompt_ids": [p.id for p in inputs.prompts], "rewards": r.tolist(), "tau": float(tau)}
+    m.update(inputs.counts)
+    return m
+
+
+def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, scorer, *,
               num_samples_logged: int = 2, device_guard: str | None = None) -> tuple[RunState, dict, list]:
-    """Run one round for every policy on ``prompts`` (dense SEE prompt ids ``dense_ids int32[P]``).
+    """Run one round for every policy on ``inputs.prompts``; returns ``(state, {policy: metrics}, samples)``.
 
     Concurrency: every policy's rollout is dispatched before any result is read, every update before any
     metric is read, and the metrics are fetched once. Per-policy timestamps (seconds since the round began)
     go to ``time/rollout_dispatched``, ``time/rollout_read`` (reading its result begins), ``time/rollout_ready``
     (result on the host), ``time/update_dispatched``, ``time/update_read`` and ``time/update_ready``; a first
-    round traces and compiles inside each dispatch, so overlap shows from the second round on. ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around
-    the device parts (rollout and update dispatch); every transfer there is an explicit ``mwra.put``.
+    round traces and compiles inside each dispatch, so overlap shows from the second round on.
+    ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around the device parts (rollout and
+    update dispatch); every transfer there is an explicit ``mwra.put``.
     """
-    G, P = num_generations, len(prompts)
-    timer = PhaseTimer()
-    t0 = time.perf_counter()
-    stamps = {pol.name: {} for pol in policies}
+    timer, t0 = PhaseTimer(), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
-    texts = [p.text for p in prompts]
-    rep_prompts = [p for p in prompts for _ in range(G)]
-    keys = list(jax.random.split(key, 2 * len(policies)))   # indexed here, outside any transfer guard
-
+    prompts = list(inputs.prompts)
+    lanes = [_Lane(pol=pol, ps=ps) for pol, ps in zip(policies, state.policies)]
+    keys = list(jax.random.split(inputs.key, 2 * len(policies)))   # indexed here, outside any transfer guard
     with timer("rollout"):
-        launched = []
-        for pol, ps in zip(policies, state.policies):
-            ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts)   # [P, Tp]: prefilled once
-            with guard():
-                out = _dispatch_rollout(pol, ps, ids, mask, keys[pol.index], G)
-            stamps[pol.name]["rollout_dispatched"] = time.perf_counter() - t0
-            launched.append((ids, mask, out))
-        rollouts = []
-        for pol, (ids, mask, out) in zip(policies, launched):
-            stamps[pol.name]["rollout_read"] = time.perf_counter() - t0
-            out = _trim(fetch(pol.mesh, out), P * G)   # one process: device_get; several: read + broadcast
-            stamps[pol.name]["rollout_ready"] = time.perf_counter() - t0
-            rollouts.append((ids, mask, out))
-
+        _rollouts(lanes, [p.text for p in prompts], keys, guard, t0)
     with timer("decode"):
-        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
-                   for pol, (_, _, out) in zip(policies, rollouts)]
-
+        for ln in lanes:
+            ln.texts, ln.content = decode_completions(ln.pol.tokenizer, ln.out.tokens, ln.out.mask,
+                                                      ln.pol.sampling.eos_ids)
     with timer("rewards"):
-        scores = [scorer.score(rep_prompts, comp_texts) for comp_texts, _ in decoded]
-
+        for ln in lanes:
+            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts)
     with timer("see"):
-        see = state.see
-        see_info = []
-        max_bytes = see.rollouts.text.shape[1]
-        max_src = see.rollouts.src_ids.shape[1]
-        for pol, (_, _, out), (comp_texts, content), sc in zip(policies, rollouts, decoded, scores):
-            lps = [out.logprobs[b, :len(c)] for b, c in enumerate(content)]
-            exp = see_lib.make_experience(comp_texts, np.repeat(dense_ids, G), pol.index, sc.rewards,
-                                          src_ids=content, src_logp=lps, truncated=out.truncated,
-                                          round=round_index, max_bytes=max_bytes, max_src_tokens=max_src)
-            see, info = _see_add(see, exp)
-            see_info.append(info)
-
-    views, thl_metrics = [], [[] for _ in policies]
+        see = _add_experience(state.see, lanes, inputs)
     with timer("thl"):
-        for pol in policies:
-            Tc = pol.completion_length
-            stats = see_lib.peer_stats(see, pol.index, dense_ids)
-            if pol.probe.needs_peers:
-                view = see_lib.build_view(
-                    see, pol.index, dense_ids, _aligner(pol, policies, Tc, thl_metrics[pol.index]),
-                    k_rollouts=view_shape.peer_rollouts, k_successes=view_shape.peer_successes,
-                    k_own=view_shape.own_successes,
-                    max_completion_len=Tc, max_chunks=Tc, pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
-            else:
-                view = see_lib.empty_view(P, view_shape.slots, Tc, Tc,
-                                          len(policies), consumer=pol.index, tau=see.tau)
-                view = view.replace(peer_stats=jnp.asarray(stats))
-            views.append(view)
-
-    with timer("stage"):   # every policy's inputs on its mesh before any update is dispatched
-        staged = []
-        for pol, (ids, mask, out), sc, view in zip(policies, rollouts, scores, views):
-            if pol.mesh is None:
-                batch = Batch(prompt_ids=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
-                              completion_ids=jnp.asarray(out.tokens),
-                              completion_mask=jnp.asarray(out.mask, jnp.float32),
-                              old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
-                              rewards=jnp.asarray(sc.rewards), truncated=jnp.asarray(out.truncated))
-            else:   # host numpy -> the policy's mesh, rows split over the data axis where they divide it
-                batch = mwra.shard_batch(Batch(
-                    prompt_ids=np.asarray(ids), prompt_mask=np.asarray(mask), completion_ids=np.asarray(out.tokens),
-                    completion_mask=np.asarray(out.mask, np.float32), old_logp=np.asarray(out.logprobs),
-                    ref_logp=np.zeros(out.logprobs.shape, np.float32), rewards=np.asarray(sc.rewards, np.float32),
-                    truncated=np.asarray(out.truncated)), pol.mesh, strict=False)
-                view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
-            staged.append((batch, view, _iteration_keys(pol, keys[len(policies) + pol.index])))
-
+        _views(see, lanes, inputs.dense_ids)
+    with timer("stage"):
+        _stage(lanes, keys)
     with timer("update"):
-        new_states, raw_metrics = [], []
-        for pol, ps, (batch, view, ukeys) in zip(policies, state.policies, staged):
-            with guard():
-                if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
-                    batch = batch.replace(ref_logp=pol.ref_logp(ps.ref_params, batch))
-                new_state, m = _update_policy(pol, ps, batch, view, ukeys, round_index)
-            stamps[pol.name]["update_dispatched"] = time.perf_counter() - t0
-            new_states.append(new_state)
-            raw_metrics.append(m)
-        for pol, m in zip(policies, raw_metrics):
-            stamps[pol.name]["update_read"] = time.perf_counter() - t0
-            jax.block_until_ready(m)
-            stamps[pol.name]["update_ready"] = time.perf_counter() - t0
-        if jax.process_count() == 1:
-            raw_metrics = jax.device_get(raw_metrics)   # the round's one metrics fetch
-        else:   # each policy's metrics read where its mesh is, broadcast to every process
-            raw_metrics = [fetch(pol.mesh, m) for pol, m in zip(policies, raw_metrics)]
-
+        _updates(lanes, inputs.index, guard, t0)
     metrics, samples = {}, []
-    for pol, (_, _, out), (comp_texts, _), sc, upd, info in zip(
-            policies, rollouts, decoded, scores, raw_metrics, see_info):
-        r = sc.rewards.reshape(P, G)
-        m = {k: float(np.asarray(v)) for k, v in upd.items() if np.ndim(v) == 0}
-        m.update({k: v for k, v in sc.stats.items() if np.isscalar(v)})
-        m.update({"reward/mean": float(r.mean()), "reward/success_rate": float((r >= see.tau).mean()),
-                  "completion/mean_length": float(np.asarray(out.lengths).mean()),
-                  "completion/truncated": float(np.asarray(out.truncated).mean())})
-        m.update({f"see/{k}": float(np.asarray(v)) for k, v in info.items()})
-        m.update(_mean_metrics(thl_metrics[pol.index], "thl/"))
-        m.update({f"time/{k}": v for k, v in timer.times.items()})
-        m.update({f"time/{k}": v for k, v in stamps[pol.name].items()})
-        # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
-        # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
-        m["groups"] = {"prompt_ids": [p.id for p in prompts], "rewards": r.tolist(), "tau": float(see.tau)}
-        metrics[pol.name] = m
-        for p in range(min(num_samples_logged, P)):
-            samples.append({"policy": pol.name, "prompt": prompts[p].text, "answer": prompts[p].answer,
-                            "completion": comp_texts[p * G], "reward": float(sc.rewards[p * G])})
-    return RunState(policies=tuple(new_states), see=see), metrics, samples
+    for ln in lanes:
+        metrics[ln.pol.name] = _lane_metrics(ln, inputs, see.tau, timer.times)
+        G = ln.pol.num_generations
+        samples += [{"policy": ln.pol.name, "prompt": p.text, "answer": p.answer, "completion": ln.texts[k * G],
+                     "reward": float(ln.score.rewards[k * G])} for k, p in enumerate(prompts[:num_samples_logged])]
+    return RunState(policies=tuple(ln.new_state for ln in lanes), see=see), metrics, samples

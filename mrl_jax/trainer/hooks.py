@@ -1,0 +1,149 @@
+"""The round loop's hooks (levanter's ``trainer.add_hook(fn, every=N)`` shape): functions of a ``RoundInfo``
+run after each round at their cadence -- checkpoints, held-out evaluation, logs, stop conditions.
+
+A stop condition raises ``TrainingStopped`` from its hook; that ends ``Trainer.rounds`` (the generator) with the
+exception, after the hook saved what the run needs to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from mrl_jax.tasks import Prompt
+from mrl_jax.trainer.checkpoint import RunCheckpointer
+from mrl_jax.trainer.policy import Policy
+from mrl_jax.trainer.round import RoundInputs, RunState
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (repeated non-finite updates, failing rewards); state is saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    """One finished round: its ``inputs``, the ``state`` after it, ``metrics`` ``{policy: {name: value}}``, the
+    logged ``samples``; ``last``: the run's final round."""
+
+    inputs: RoundInputs
+    state: RunState
+    metrics: dict
+    samples: list
+    last: bool
+
+    @property
+    def round(self) -> int:
+        return self.inputs.index
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """``fn(info)`` after every ``every``-th round (rounds ``every - 1``, ``2 * every - 1``, ...), and after the
+    last round too when ``at_end``."""
+
+    fn: Callable[[RoundInfo], None]
+    every: int = 1
+    at_end: bool = False
+
+    def due(self, info: RoundInfo) -> bool:
+        return (info.round + 1) % self.every == 0 or (self.at_end and info.last)
+
+
+class CheckpointHook:
+    """Saves the state after a round as the checkpoint of that round, at most once per round (a stop hook
+    calls it again before stopping). ``to_host``: what is saved of the state (multi-host: gathered)."""
+
+    def __init__(self, ckpt: RunCheckpointer, to_host: Callable[[RunState], RunState] = lambda s: s):
+        self.ckpt, self.to_host = ckpt, to_host
+        self.saved: int | None = None
+
+    def __call__(self, info: RoundInfo) -> None:
+        if self.saved != info.round:
+            self.ckpt.save(info.round, self.to_host(info.state), {"round": info.round})
+            self.saved = info.round
+
+
+class LastInputs:
+    """Wraps each policy's jitted ``update`` to keep a reference to the last (batch, see_view) it got, so a
+    batch that made the update non-finite can be saved for inspection (no copy, no device sync)."""
+
+    def __init__(self):
+        self.inputs: dict[str, tuple] = {}
+
+    def wrap(self, policy: Policy) -> Policy:
+        update = policy.update
+
+        def recorded(params, opt_state, batch, see_view, key):
+            self.inputs[policy.name] = (batch, see_view)
+            return update(params, opt_state, batch, see_view, key)
+
+        return dataclasses.replace(policy, update=recorded)
+
+    def save(self, name: str, path: Path, prompts: Sequence[Prompt], round_index: int) -> Path | None:
+        """Write the last batch and SEE view of ``name`` as ``path`` (.npz); arrays named by their field path."""
+        if name not in self.inputs:
+            return None
+        arrays = {"round": np.asarray(round_index), "prompts": np.asarray([p.text for p in prompts]),
+                  "answers": np.asarray([p.answer for p in prompts])}
+        for prefix, tree in zip(("batch", "view"), self.inputs[name]):
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                key = prefix + jax.tree_util.keystr(kp).replace("'", "").replace("[", ".").replace("]", "")
+                arrays[key] = np.asarray(jax.device_get(leaf))
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, **arrays)
+        tmp.replace(path)
+        return path
+
+
+class SkippedUpdatesStop:
+    """Stop condition: a policy skipped ``limit`` updates in a row (non-finite loss or gradient). Before raising
+    ``TrainingStopped`` it saves the round's checkpoint (``save``) and each such policy's last batch
+    (``failed_batch_<policy>_round<r>.npz`` in ``out``); wrap the policies with ``recorder`` for the batches."""
+
+    def __init__(self, limit: int, save: CheckpointHook, out: Path):
+        self.limit, self.save, self.out = limit, save, Path(out)
+        self.recorder = LastInputs()
+        self.skipped: dict[str, int] = {}
+
+    def __call__(self, info: RoundInfo) -> None:
+        for name, m in info.metrics.items():
+            self.skipped[name] = self.skipped.get(name, 0) + 1 if m.get("skipped", 0.0) > 0 else 0
+        bad = [n for n, c in self.skipped.items() if c >= self.limit]
+        if not bad:
+            return
+        r = info.round
+        self.save(info)
+        saved = [self.recorder.save(n, self.out / f"failed_batch_{n}_round{r}.npz", info.inputs.prompts, r)
+                 for n in bad]
+        raise TrainingStopped(
+            f"policies {bad} skipped {self.limit} updates in a row (non-finite loss or gradient); state saved at "
+            f"round {r} in {self.save.ckpt.directory}; the last batch of each is in {[str(p) for p in saved if p]}. "
+            "Lower the learning rate or check the rewards, then --resume.")
+
+
+def log_hook(log) -> Callable[[RoundInfo], None]:
+    """Each round's metrics and samples to the run log (``RunLog``)."""
+
+    def hook(info: RoundInfo) -> None:
+        log.log_round(info.round, info.metrics)
+        log.log_samples(info.round, info.samples)
+
+    return hook
+
+
+def eval_hook(run, log, num_prompts: int) -> Callable[[RoundInfo], None]:
+    """Held-out greedy success of every policy (``run.evaluate``) to the run log as ``<policy>/eval``."""
+
+    def hook(info: RoundInfo) -> None:
+        log.log_round(info.round, {f"{n}/eval": {"success": v["success"]}
+                                   for n, v in run.evaluate(info.state, num_prompts).items()})
+
+    return hook
+
+
+__all__ = ["CheckpointHook", "Hook", "LastInputs", "RoundInfo", "SkippedUpdatesStop", "TrainingStopped", "eval_hook",
+           "log_hook"]

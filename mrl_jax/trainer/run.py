@@ -1,0 +1,254 @@
+"""The built pieces of a run: task, prompts (length-fitted), one ``Policy`` record per policy, the device plan;
+and the arrays it starts from (``Run.initial_state``), kept out of the constructor so a resumed run never
+warm-starts: it restores onto ``Run.state_template()``, shapes and shardings only.
+
+Determinism: the prompts and RNG key of round ``r`` (``Run.round_inputs``) depend only on ``(seed, r)``, so a
+run resumed from the checkpoint of round ``r`` continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrl_jax import see as see_lib
+from mrl_jax.configs import ConfigError
+from mrl_jax.tasks import ArithmeticTask, JsonlTask, Prompt, StringTask, Task, default_mixture
+from mrl_jax.trainer.config import RunConfig
+from mrl_jax.trainer.evaluation import evaluate
+from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
+from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
+from mrl_jax.trainer.reference import holds_reference, initial_reference
+from mrl_jax.trainer.round import RoundInputs, RunState
+from mrl_jax.trainer.sft import uniform_draw, warm_start
+
+
+def build_task(cfg: RunConfig) -> Task:
+    t = cfg.task
+    if t.name == "mixture":
+        return default_mixture(t.seed, num_facts=t.num_facts)
+    if t.name == "arith":
+        return ArithmeticTask("add", 2, seed=t.seed)
+    if t.name == "reverse":
+        return StringTask("rev", seed=t.seed)
+    return JsonlTask(t.path, seed=t.seed)
+
+
+def task_corpus(task: Task) -> list[str]:
+    """Texts a locally trained tokenizer learns from: every prompt and answer."""
+    prompts = task.train_prompts() + task.eval_prompts()
+    return [p.text for p in prompts] + [p.answer for p in prompts]
+
+
+def text_budget(requested: int, policies: Sequence[Policy]) -> int:
+    """SEE bytes per completion text: enough for ``max_new_tokens`` of the longest token of each policy's
+    tokenizer (``requested`` 0 = exactly that; a smaller explicit value is a config error)."""
+    need = {p.name: (int(p.tokenizer.byte_table.lengths.max()) * p.completion_length, p.completion_length)
+            for p in policies}
+    worst = max(need, key=lambda n: need[n][0])
+    size, tokens = need[worst]
+    if requested == 0:
+        return size
+    if requested < size:
+        raise ConfigError(f"config key 'see.max_text_bytes': {requested} bytes may not hold {tokens} tokens of policy "
+                          f"{worst!r} (its longest token is {size // tokens} bytes); set it to >= {size}, or 0 to "
+                          "size it automatically.")
+    return requested
+
+
+def _shapes(tree):
+    """``tree`` as ``jax.ShapeDtypeStruct`` leaves without shardings (what a numpy template restores as)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+class Run:
+    """A run's static parts: task, prompts, policies (records with tokenizer, mesh, jitted steps), plan."""
+
+    def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None,
+                 place: bool = True, devices: Sequence | None = None):
+        """Builds tokenizers and models (their built weights are what ``initial_state`` starts from); no warm
+        start, no optimizer state. ``place``: plan the devices (MWRA, ``cfg.mwra``; ``devices`` defaults to
+        ``jax.devices()``) and pin each policy's steps to its mesh; False = everything on the default device."""
+        self.cfg = cfg
+        self.task = task or build_task(cfg)
+        self.train_prompts = self.task.train_prompts()
+        self.eval_prompts = self.task.eval_prompts()
+        self.dense = {p.id: k for k, p in enumerate(self.train_prompts)}
+        corpus = task_corpus(self.task)
+        self.policies: list[Policy] = []
+        self._weights = []   # per policy: the built params (random init or loaded), before any warm start
+        for i, spec in enumerate(cfg.policies):
+            tok = build_tokenizer(spec, corpus, cache_dir)
+            pol, params = build_policy(i, spec, tok, build_model(spec, tok, seed=cfg.seed * 1000 + i), cfg)
+            self.policies.append(pol)
+            self._weights.append(params)
+        self._fit_prompts()
+        self._text_bytes = text_budget(cfg.see.max_text_bytes, self.policies)
+        self._abstract = [jax.eval_shape(lambda p, pol=pol: pol.init_state(p, p if holds_reference(pol.spec) else None),
+                                         params) for pol, params in zip(self.policies, self._weights)]
+        self.placement: Placement | None = None
+        if place:
+            self.placement = make_placement(cfg, [param_count(s) for s in self._abstract], self._mean_prompt_tokens(),
+                                            devices)
+            self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]),
+                                        cfg.num_generations) for i, p in enumerate(self.policies)]
+
+    @property
+    def prompt_limits(self) -> list[int]:
+        return [p.prompt_limit for p in self.policies]
+
+    # ------------------------------------------------------------------------------------------ state
+    def warm_params(self) -> list:
+        """Each policy's starting params: its built weights after the config's warm start (``warm_start``:
+        steps, part, learning_rate, batch_size; none when steps is 0). Call once: the warm start donates the
+        built weights."""
+        out = []
+        for pol, params in zip(self.policies, self._weights):
+            ws = pol.spec.warm_start
+            if ws.steps > 0:
+                params, _ = warm_start(pol.graphdef, params, pol.tokenizer, pol.prompt_format, self.sft_draw(ws.part),
+                                       steps=ws.steps, batch_size=ws.batch_size, learning_rate=ws.learning_rate,
+                                       completion_length=pol.completion_length, seed=self.cfg.seed * 1000 + pol.index)
+            out.append(params)
+        return out
+
+    def initial_state(self, params: Sequence | None = None) -> RunState:
+        """The state round 0 starts from: each policy's ``params`` (default ``warm_params()``; given ones are
+        copied, so several runs can start from them) with a fresh optimizer state and its reference, placed on
+        its mesh, and an empty SEE buffer."""
+        params = self.warm_params() if params is None else [jax.tree.map(jnp.copy, p) for p in params]
+        states = [pol.init_state(p, initial_reference(pol.spec, p)) for pol, p in zip(self.policies, params)]
+        return self.place(RunState(policies=tuple(states), see=self._init_see()))
+
+    def state_template(self) -> RunState:
+        """``initial_state()``'s shapes, dtypes and (placed) shardings, nothing computed: what a checkpoint is
+        restored onto."""
+        pols = []
+        for i, st in enumerate(self._abstract):
+            if self.placement is None:
+                pols.append(_shapes(st))
+            else:
+                pols.append(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st,
+                                         self.placement.shardings(i, st)))
+        return RunState(policies=tuple(pols), see=_shapes(jax.eval_shape(self._init_see)))
+
+    def _init_see(self) -> see_lib.SEE:
+        cfg = self.cfg
+        return see_lib.init(cfg.see.capacity, self._text_bytes, max(p.completion_length for p in self.policies),
+                            len(self.policies), len(self.train_prompts), per_prompt_cap=cfg.see.per_prompt_cap,
+                            success_capacity=cfg.see.capacity, tau=cfg.see.success_threshold)
+
+    def place(self, state: RunState) -> RunState:
+        """``state`` (e.g. restored from a checkpoint, host arrays) with every policy's arrays on its mesh."""
+        if self.placement is None:
+            return state
+        return state.replace(policies=tuple(self.placement.place(i, s) for i, s in enumerate(state.policies)))
+
+    def sft_draw(self, part: str | None):
+        """Warm-start batches: the mixture's weighted draw (a small fact table is not drowned), else uniform."""
+        if hasattr(self.task, "sample_sft"):
+            return lambda n, rng: self.task.sample_sft(n, rng, part=part)
+        return uniform_draw(self.task.sft_examples(part))
+
+    # ---------------------------------------------------------------------------------------- prompts
+    def _mean_prompt_tokens(self, sample: int = 256) -> list[float]:
+        """Mean prompt tokens per policy over (up to ``sample``) train prompts: the cost model's prompt part."""
+        texts = [p.text for p in self.train_prompts[:sample]]
+        if not texts:
+            return [0.0] * len(self.policies)
+        return [float(v) for v in self._prompt_lengths(texts).mean(axis=0)]
+
+    def _prompt_lengths(self, texts: Sequence[str]) -> np.ndarray:
+        """int[N, num_policies]: each policy's prompt token count (template and BOS included), as
+        ``encode_prompts`` encodes it."""
+        out = np.zeros((len(texts), len(self.policies)), np.int64)
+        for k, pol in enumerate(self.policies):
+            out[:, k] = [len(q) for q in pol.prompt_format.encode(pol.tokenizer, texts)]
+        return out
+
+    def _fits(self, text: str) -> bool:
+        return bool(np.all(self._prompt_lengths([text])[0] <= np.asarray(self.prompt_limits)))
+
+    def _truncated(self, prompt: Prompt) -> Prompt:
+        """``prompt`` with the longest tail of its text that fits every policy's limit."""
+        text = prompt.text
+        lo, hi = 0, len(text)  # find the smallest start whose tail fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._fits(text[mid:]) else (mid + 1, hi)
+        while lo < len(text) and not self._fits(text[lo:]):
+            lo += 1
+        if not self._fits(text[lo:]):
+            raise ConfigError(
+                f"config key 'policies[*].max_prompt_length': limits {self.prompt_limits} are shorter than the "
+                "prompt template alone; raise max_prompt_length (or shorten prompt_template).")
+        return dataclasses.replace(prompt, text=text[lo:])
+
+    def _fit_prompts(self) -> None:
+        """Apply the prompt length limits (``overlong_prompts``) to the train and eval prompts."""
+        limits = np.asarray(self.prompt_limits)
+        self.rejected: set[int] = set()
+        self.replacement: dict[int, Prompt] = {}
+        self.prompt_stats = {}
+        for split in ("train", "eval"):
+            prompts = self.train_prompts if split == "train" else self.eval_prompts
+            if not prompts:
+                continue
+            over = np.any(self._prompt_lengths([p.text for p in prompts]) > limits, axis=1)
+            self.prompt_stats[f"{split}_prompts_overlong"] = int(over.sum())
+            if not over.any():
+                continue
+            if self.cfg.overlong_prompts == "reject":
+                if over.all():
+                    raise ConfigError(
+                        f"config key 'policies[*].max_prompt_length': every {split} prompt is longer than the "
+                        f"limits {self.prompt_limits} (tokens per policy); raise max_prompt_length or set "
+                        "overlong_prompts: truncate.")
+                self.rejected.update(p.id for p, o in zip(prompts, over) if o)
+                kept = [p for p, o in zip(prompts, over) if not o]
+            else:
+                kept = [self._truncated(p) if o else p for p, o in zip(prompts, over)]
+                self.replacement.update((p.id, q) for p, q, o in zip(prompts, kept, over) if o)
+            if split == "eval":
+                self.eval_prompts = kept
+
+    def _sample_prompts(self, rng: np.random.Generator) -> tuple[list[Prompt], int]:
+        """``prompts_per_round`` train prompts from ``rng``, rejected ones drawn again; (prompts, rejections)."""
+        P = self.cfg.prompts_per_round
+        prompts = self.task.sample_train(P, rng)
+        if not self.rejected:
+            return prompts, 0
+        kept = [p for p in prompts if p.id not in self.rejected]
+        rejected = P - len(kept)
+        for _ in range(1000):
+            if len(kept) >= P:
+                break
+            more = self.task.sample_train(P, rng)
+            rejected += sum(p.id in self.rejected for p in more)
+            kept += [p for p in more if p.id not in self.rejected]
+        if len(kept) < P:
+            raise ConfigError("config key 'overlong_prompts': almost every train prompt is rejected as too long; "
+                              "raise policies[*].max_prompt_length or set overlong_prompts: truncate.")
+        return kept[:P], rejected
+
+    def round_inputs(self, round_index: int) -> RoundInputs:
+        """Round ``r``'s prompts (a function of (task seed, run seed, r) only), dense SEE ids, key and the
+        prompt-length counts."""
+        prompts, rejected = self._sample_prompts(np.random.default_rng([self.cfg.seed, round_index]))
+        truncated = sum(p.id in self.replacement for p in prompts)
+        prompts = [self.replacement.get(p.id, p) for p in prompts]
+        return RoundInputs(index=round_index, prompts=tuple(prompts),
+                           dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
+                           key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index),
+                           counts={"data/prompts_rejected": float(rejected), "data/prompts_truncated": float(truncated)})
+
+    def evaluate(self, state: RunState, num_prompts: int | None = None) -> dict:
+        prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
+        return evaluate(self.policies, state.policies, self.task, prompts)
+
+
+__all__ = ["Run", "build_task", "task_corpus", "text_budget"]
