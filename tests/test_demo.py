@@ -4,10 +4,15 @@ import json
 from mrl_jax.demo import DemoSettings, _verdict, run_demo
 
 
-def test_demo_tiny_budget_writes_every_artefact(tmp_path):
+def test_demo_tiny_budget_writes_every_artefact(tmp_path, monkeypatch):
+    from mrl_jax.trainer import run as run_mod
+
+    lrs, real = [], run_mod.warm_start
+    monkeypatch.setattr(run_mod, "warm_start", lambda *a, **kw: lrs.append(kw["learning_rate"]) or real(*a, **kw))
     s = DemoSettings(seeds=1, rounds=2, prompts_per_round=8, num_generations=4, sft_steps=3, num_facts=8,
-                     eval_copy_prompts=8, eval_every=1)
+                     eval_copy_prompts=8, eval_every=1, sft_learning_rate=2e-3)
     summary = run_demo(tmp_path, probes=["none", "sgt"], settings=s)
+    assert lrs == [2e-3, 2e-3]   # the runs' warm start (WarmStartSpec), once per policy and seed, shared by the probes
     for name in ("summary.json", "summary.md", "curves.png", "success.png"):
         assert (tmp_path / name).stat().st_size > 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())

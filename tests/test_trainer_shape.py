@@ -1,0 +1,155 @@
+"""The trainer's shape (issue 13 item 6): the round loop is a generator with hooks at their cadence, a stop hook
+ends it after saving, the constructor builds no state (no warm start) and a resume never calls
+``initial_state``, the state template matches the initial state, and ``see.build_view`` takes a typed
+alignment.
+
+Updates are stubbed where only the loop is under test (no update compile); the tiny config and the module's
+compile cache as in tests/test_trainer.py.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import soak  # noqa: E402
+from mrl_jax import see as S  # noqa: E402
+from mrl_jax.tasks import RewardScorer  # noqa: E402
+from mrl_jax.trainer import Run, RoundInfo, Trainer, TrainingStopped, train  # noqa: E402
+from mrl_jax.trainer import run as run_mod  # noqa: E402
+from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
+from mrl_jax.trainer.hooks import CheckpointHook, SkippedUpdatesStop  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+SIGNAL = {"faulty": {"seed": 0, "p": {}}}
+
+
+def _cfg(**overrides):
+    return soak.to_run_config(soak.tiny_config(**{"policies.0.probes": "none", "policies.1.probes": "none",
+                                                  **overrides}))
+
+
+def _stub(pol, skipped: float = 0.0):
+    """``pol`` with an update that leaves params as they are and reports ``skipped`` (nothing compiled)."""
+    return dataclasses.replace(pol, update=lambda p, o, b, v, k: (p, o, {"loss": jnp.zeros(()),
+                                                                        "skipped": jnp.full((), skipped)}))
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer(soak.reward_specs(SIGNAL)) as s:
+        yield s
+
+
+def test_hooks_fire_at_their_cadence_and_rounds_yield_each_round(scorer):
+    run = Run(_cfg(rounds=5))
+    trainer = Trainer(run, scorer, policies=[_stub(p) for p in run.policies])
+    calls = {"every1": [], "every2": [], "every3_end": []}
+    trainer.add_hook(lambda i: calls["every1"].append(i.round))
+    trainer.add_hook(lambda i: calls["every2"].append(i.round), every=2)
+    trainer.add_hook(lambda i: calls["every3_end"].append(i.round), every=3, at_end=True)
+    infos = list(trainer.rounds(run.initial_state(), start=1))
+    assert [i.round for i in infos] == [1, 2, 3, 4] and [i.last for i in infos] == [False] * 3 + [True]
+    assert all(isinstance(i, RoundInfo) and set(i.metrics) == {p.name for p in run.policies} for i in infos)
+    assert calls == {"every1": [1, 2, 3, 4], "every2": [1, 3], "every3_end": [2, 4]}
+    assert infos[0].inputs.prompts == run.round_inputs(1).prompts
+    with pytest.raises(ValueError, match="every >= 1"):
+        trainer.add_hook(print, every=0)
+
+
+def test_stop_hook_saves_then_ends_the_generator(scorer, tmp_path):
+    run = Run(_cfg(rounds=6))
+    ckpt = RunCheckpointer(tmp_path)
+    save = CheckpointHook(ckpt)
+    stop = SkippedUpdatesStop(2, save, tmp_path)
+    pols = [stop.recorder.wrap(_stub(p, skipped=float(p.index == 0))) for p in run.policies]
+    trainer = Trainer(run, scorer, policies=pols)
+    trainer.add_hook(save, every=4, at_end=True)
+    trainer.add_hook(stop)
+    seen = []
+    with pytest.raises(TrainingStopped, match=r"policies \['llama_bpe'\] skipped 2 updates.*round 1"):
+        for info in trainer.rounds(run.initial_state()):
+            seen.append(info.round)
+    assert seen == [0]                                   # round 1's hooks stopped it before it was yielded
+    assert ckpt.all_rounds() == [1]                      # saved first (off the every=4 cadence)
+    assert (tmp_path / "failed_batch_llama_bpe_round1.npz").is_file()
+    ckpt.close()
+
+
+def test_constructor_warm_starts_nothing_and_resume_skips_initial_state(tmp_path, monkeypatch):
+    calls = []
+    real = run_mod.warm_start
+
+    def spy(*args, **kw):
+        calls.append(kw["learning_rate"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(run_mod, "warm_start", spy)
+    cfg = _cfg(rounds=1, **{"policies.0.warm_start": {"steps": 2, "part": None, "learning_rate": 0.002}})
+    run = Run(cfg)
+    assert calls == []                                   # no SFT step in the constructor
+    template = run.state_template()
+    state = run.initial_state()
+    assert calls == [0.002]                              # the config's warm start, policy 0 only
+    for t, x in zip(jax.tree.leaves(template), jax.tree.leaves(state)):
+        assert (t.shape, t.dtype) == (x.shape, x.dtype)
+        if isinstance(t.sharding, jax.sharding.NamedSharding):
+            assert t.sharding == x.sharding
+
+    counted = []
+    orig = Run.initial_state
+    monkeypatch.setattr(Run, "initial_state", lambda self, *a: counted.append(1) or orig(self, *a))
+    out = tmp_path / "r"
+    train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    assert counted == [1] and calls == [0.002, 0.002]
+    train(dataclasses.replace(cfg, rounds=2), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+          progress=False)
+    assert counted == [1] and calls == [0.002, 0.002]   # the resume restored onto the template: no warm start
+
+
+def _view_buffer():
+    buf = S.init(16, 16, 8, num_policies=2, num_prompts=2, tau=1.0)
+    exp = S.make_experience(["ab", "cde"], [0, 0], 1, [1.0, 0.0], src_ids=[[1, 2], [3, 4, 5]],
+                            src_logp=[[-0.5, -0.25], [-1.0, -1.0, -1.0]], round=0, max_bytes=16, max_src_tokens=8)
+    return jax.jit(S.add)(buf, exp)[0]
+
+
+def test_build_view_takes_a_typed_alignment_and_rejects_a_dict():
+    buf = _view_buffer()
+    kw = dict(k_rollouts=2, max_completion_len=6, max_chunks=6)
+    with pytest.raises(TypeError, match="see.ViewAlignment"):
+        S.build_view(buf, 0, [0], lambda texts, srcs, ids: {"dst_ids": [list(i) for i in ids]}, **kw)
+    with pytest.raises(ValueError, match="1 rows for 2 filled slots"):
+        S.build_view(buf, 0, [0], lambda texts, srcs, ids: S.ViewAlignment.identity([ids[0]]), **kw)
+    view = S.build_view(buf, 0, [0], lambda texts, srcs, ids: S.ViewAlignment.identity([list(i) for i in ids]), **kw)
+    assert np.asarray(view.ids)[:2].tolist() == [[1, 2, 0, 0, 0, 0], [3, 4, 5, 0, 0, 0]]
+    np.testing.assert_allclose(np.asarray(view.src_chunk_logp)[0, :2], [-0.5, -0.25])
+
+
+def test_view_alignment_from_batches_puts_each_source_s_rows_in_place():
+    """Rows of two THL batches (different widths) land at their view rows, padded: -1 chunks, False validity."""
+    from mrl_jax import thl
+    from mrl_jax.tokenization import train_tokenizer
+
+    corpus = ["the cat sat", "a dog ran far", "cats and dogs"] * 20
+    bpe, uni = train_tokenizer("byte_bpe", corpus, 300), train_tokenizer("unigram", corpus, 300)
+    texts = ["the cat", "a dog ran far", "cats"]
+    a = thl.align_batch([texts[0], texts[2]], bpe, uni)
+    b = thl.align_batch([texts[1]], uni, uni)
+    va = S.ViewAlignment.from_batches(3, [(np.array([0, 2]), a), (np.array([1]), b)])
+    assert va.num_rows == 3 and va.dst_len.tolist() == [a.dst_lengths[0], b.dst_lengths[0], a.dst_lengths[1]]
+    for row, (src, k) in enumerate([(a, 0), (b, 0), (a, 1)]):
+        n = int(src.dst_lengths[k])
+        assert va.dst_ids[row, :n].tolist() == src.dst_ids[k, :n].tolist()
+        w = src.src_chunk.shape[1]
+        assert va.src_chunk[row, :w].tolist() == src.src_chunk[k].tolist() and (va.src_chunk[row, w:] == -1).all()
+        c = src.chunk_valid.shape[1]
+        assert va.chunk_valid[row, :c].tolist() == src.chunk_valid[k].tolist() and not va.chunk_valid[row, c:].any()
