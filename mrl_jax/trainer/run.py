@@ -239,12 +239,12 @@ class Run:
         """Round ``r``'s prompts (a function of (task seed, run seed, r) only), dense SEE ids, key and the
         prompt-length counts."""
         prompts, rejected = self._sample_prompts(np.random.default_rng([self.cfg.seed, round_index]))
-        truncated = sum(p.id in self.replacement for p in prompts)
+        counts = {"data/prompts_rejected": float(rejected),
+                  "data/prompts_truncated": float(sum(p.id in self.replacement for p in prompts))}
         prompts = [self.replacement.get(p.id, p) for p in prompts]
         return RoundInputs(index=round_index, prompts=tuple(prompts),
                            dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
-                           key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index),
-                           counts={"data/prompts_rejected": float(rejected), "data/prompts_truncated": float(truncated)})
+                           key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index), counts=counts)
 
     def evaluate(self, state: RunState, num_prompts: int | None = None) -> dict:
         prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
