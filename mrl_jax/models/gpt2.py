@@ -12,7 +12,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
-from .layers import CausalLM, Embed, LayerNorm, Linear, activation
+from .layers import CausalLM, Embed, LayerNorm, Linear, activation, dense
 
 
 class GPT2Attention(nnx.Module):
@@ -23,13 +23,13 @@ class GPT2Attention(nnx.Module):
         self.shape = (cfg.num_heads, cfg.head_dim)
 
     def __call__(self, x, positions, mask, *, cache, layer, cache_index):
-        B, T, D = x.shape
+        B, T = positions.shape   # x: [B*T, D] rows
         h, hd = self.shape
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
         q, k, v = (t.reshape(B, T, h, hd) for t in (q, k, v))
         out, cache = attention(q, k, v, mask, scale=hd ** -0.5, cache=cache, layer=layer,
                                cache_index=cache_index)
-        return self.c_proj(out.reshape(B, T, D)), cache
+        return self.c_proj(out.reshape(B * T, h * hd)), cache
 
 
 class GPT2MLP(nnx.Module):
@@ -81,5 +81,5 @@ class GPT2LMHeadModel(CausalLM):
         if self.lm_head is None:
             return self.wte.attend(h)
         dt = self.config.jnp_dtype
-        return jnp.einsum("...d,dv->...v", h.astype(dt), self.lm_head.kernel[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+        return dense(h.astype(dt), self.lm_head.kernel[...].astype(dt),
+                     preferred_element_type=jnp.float32)

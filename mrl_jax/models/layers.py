@@ -13,6 +13,19 @@ from .config import ModelConfig
 INIT_STD = 0.02  # HF initializer_range
 
 
+def dense(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, preferred_element_type=None) -> jax.Array:
+    """x [..., din] @ w [din, dout] (w [dout, din] with transpose_w) -> [..., dout], as ONE 2-D matmul.
+
+    The leading axes are flattened first: the weight gradient then contracts a single row axis. A
+    [B, T, din] dot's backward contracts (B, T) and XLA:CPU transposes both operands for it (measured:
+    the MLP's gradient 2.4x slower than with flattened rows, same FLOPs); on GPU/TPU the reshapes are free.
+    """
+    lead = x.shape[:-1]
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, dims, preferred_element_type=preferred_element_type)
+    return y.reshape(lead + (y.shape[-1],))
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel: [in, out] (HF nn.Linear weight transposed; GPT-2 Conv1D as is)."""
 
@@ -23,7 +36,7 @@ class Linear(nnx.Module):
         self.dtype = cfg.jnp_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = dense(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -42,8 +55,8 @@ class Embed(nnx.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         """f32 logits h @ embedding.T (tied head)."""
-        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return dense(h.astype(self.dtype), self.embedding[...].astype(self.dtype), transpose_w=True,
+                     preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -87,7 +100,8 @@ def activation(name: str):
 
 class CausalLM(nnx.Module):
     """Shared public API. Subclasses define ``embed(ids, positions)``, ``layers`` (nnx.List of blocks with
-    ``__call__(x, positions, mask, cache, layer, cache_index) -> (x, cache)``), ``final_norm`` and
+    ``__call__(x, positions, mask, cache, layer, cache_index) -> (x, cache)``, x the residual stream as rows
+    [B*T, D] and positions int32[B, T]), ``final_norm`` and
     ``head(h)``."""
 
     config: ModelConfig
@@ -110,12 +124,15 @@ class CausalLM(nnx.Module):
         return {w: make_mask(kv_mask, cache_index, T, w) for w in windows}
 
     def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
-        x = self.embed(input_ids, positions)
-        masks = self._masks(kv_mask, cache_index, input_ids.shape[1], cache)
+        B, T = input_ids.shape
+        # the residual stream as rows [B*T, D]: norms, projections and MLPs are 2-D (see ``dense``); only
+        # attention sees [B, T, heads, head_dim]. Measured on CPU: the layer's gradient 1.4x faster.
+        x = self.embed(input_ids, positions).reshape(B * T, -1)
+        masks = self._masks(kv_mask, cache_index, T, cache)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
                              cache_index=cache_index)
-        return self.final_norm(x), cache
+        return self.final_norm(x).reshape(B, T, -1), cache
 
     # -- public API
     def hidden(self, input_ids: jax.Array, *, positions: Optional[jax.Array] = None,

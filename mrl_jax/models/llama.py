@@ -11,7 +11,7 @@ from flax import nnx
 
 from .attention import apply_rope, attention, rope_cos_sin
 from .config import ModelConfig, rope_inv_freq
-from .layers import CausalLM, Embed, Linear, RMSNorm, activation
+from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense
 
 
 class LlamaAttention(nnx.Module):
@@ -25,7 +25,7 @@ class LlamaAttention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static, hashable
 
     def __call__(self, x, positions, mask, *, cache, layer, cache_index):
-        B, T, _ = x.shape
+        B, T = positions.shape   # x: [B*T, D] rows
         h, k, hd = self.shape
         q = self.q_proj(x).reshape(B, T, h, hd)
         kk = self.k_proj(x).reshape(B, T, k, hd)
@@ -34,7 +34,7 @@ class LlamaAttention(nnx.Module):
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
         out, cache = attention(q, kk, v, mask, scale=hd ** -0.5, cache=cache, layer=layer,
                                cache_index=cache_index)
-        return self.o_proj(out.reshape(B, T, h * hd)), cache
+        return self.o_proj(out.reshape(B * T, h * hd)), cache
 
 
 class LlamaMLP(nnx.Module):
@@ -86,5 +86,5 @@ class LlamaForCausalLM(CausalLM):
         if self.lm_head is None:
             return self.embed_tokens.attend(h)
         dt = self.config.jnp_dtype
-        return jnp.einsum("...d,dv->...v", h.astype(dt), self.lm_head.kernel[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+        return dense(h.astype(dt), self.lm_head.kernel[...].astype(dt),
+                     preferred_element_type=jnp.float32)
