@@ -187,7 +187,7 @@ def test_checkpoint_of_another_config_names_array(reference, template):
 
     leaves, treedef = jax.tree_util.tree_flatten(template)
     k = int(np.argmax([np.size(x) for x in leaves]))
-    leaves[k] = np.zeros((np.shape(leaves[k])[0] + 1,) + np.shape(leaves[k])[1:], np.asarray(leaves[k]).dtype)
+    leaves[k] = np.zeros((np.shape(leaves[k])[0] + 1,) + np.shape(leaves[k])[1:], leaves[k].dtype)
     other = jax.tree_util.tree_unflatten(treedef, leaves)
     ckpt = RunCheckpointer(reference)
     with pytest.raises(CheckpointError, match="config") as e:
