@@ -19,8 +19,10 @@ peer slots and group stats that SEE gives this consumer for the same P prompts. 
    so the accumulated gradient equals the full-batch one exactly (bnpo: TRL's per-micro-batch token mean);
 5. optax update; a non-finite loss or gradient leaves params/opt_state unchanged (metrics["skipped"]=1).
 
-Log-probs: ``model.hidden`` on [prompt ++ completion], then ``grpo.chunked_token_stats`` with
-``model.head(h) / temperature`` over the completion positions (never the full float32 [B, T, V]).
+Log-probs: ``model.hidden_prefix`` (each prompt computed once for its G own completions; peer rows:
+``model.hidden`` on [prompt ++ completion]), then ``grpo.chunked_token_stats`` with ``model.head(h) /
+temperature`` over the completion positions (never the full float32 [B, T, V]). The model contract is
+``hidden`` / ``hidden_prefix`` / ``head`` (``mrl_jax.models.CausalLM`` has them).
 num_iterations mu > 1: call ``update`` mu times on the same batch; own rows keep ``batch.old_logp`` as
 pi_old (clipping active); peer rows are re-scored each call. The KL term (beta > 0) covers own rows
 only (peer rows have no reference log-probs: their k3 term is zero).
@@ -38,7 +40,7 @@ from flax import nnx, struct
 from mrl_jax import grpo, objective
 from mrl_jax.objective import GRPOConfig  # noqa: F401  (public: learner.GRPOConfig)
 from mrl_jax.probes import make_probe
-from mrl_jax.rows import OWN, PER_ROW, Rows, concat, own_rows, peer_rows
+from mrl_jax.rows import EMPTY, OWN, PER_ROW, Rows, concat, own_rows, peer_rows
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 0,
@@ -119,7 +121,7 @@ def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool =
 
 def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0,
               chunk_size: int = 128):
-    """(logp, entropy) f32[B, Tc] of the completion tokens under ``model`` (contract: .hidden/.head)."""
+    """(logp, entropy) f32[B, Tc] of the completion tokens under ``model`` (.hidden/.head)."""
     Tp = prompt_ids.shape[1]
     ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask > 0], axis=1)
@@ -127,6 +129,18 @@ def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *
     hc = h[:, Tp - 1: ids.shape[1] - 1]
     head = (lambda x: model.head(x)) if temperature == 1.0 else (lambda x: model.head(x) / temperature)
     return grpo.chunked_token_stats(hc, head, completion_ids.astype(jnp.int32), chunk_size)
+
+
+def grouped_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0,
+                 chunk_size: int = 128):
+    """``rows_logp`` of P prompts x G completions with each prompt computed once (``model.hidden_prefix``):
+    prompt_ids int32[P, Tp], completion_* [P*G, Tc] (prompt-major). Equal to ``rows_logp`` on the repeated
+    prompts; prompt tokens cost 1/G."""
+    G = completion_ids.shape[0] // prompt_ids.shape[0]
+    h_last, hc = model.hidden_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    h = jnp.concatenate([jnp.repeat(h_last, G, axis=0)[:, None], hc[:, :-1]], axis=1)
+    head = (lambda x: model.head(x)) if temperature == 1.0 else (lambda x: model.head(x) / temperature)
+    return grpo.chunked_token_stats(h, head, completion_ids.astype(jnp.int32), chunk_size)
 
 
 def _split(rows: Rows, mb: int):
@@ -149,6 +163,31 @@ def _mb_rows(fields: dict, rows: Rows) -> Rows:
     return rows.replace(**fields)
 
 
+def carries_weight(rows: Rows) -> jax.Array:
+    """bool[R]: the row enters some loss term — PG tokens (pg_row and pg_mask), an SFT weight or an aux
+    weight. A row with none of them adds nothing to any term's sum, gradient or metric (the probes'
+    contract), so the learner does not compute it."""
+    pg = (rows.pg_row > 0) & jnp.any(rows.pg_mask > 0, axis=1)
+    return pg | (rows.sft_weight != 0) | jnp.any(rows.aux_weight != 0, axis=1)
+
+
+def peer_chunk_rows(num_peer_rows: int, micro_batch_size: int) -> int:
+    """Rows per chunk of the compacted peer slots: the micro-batch size, else an eighth of the slots
+    (at least 8), so the computed rows follow the used slots in steps of a chunk."""
+    if micro_batch_size:
+        return min(micro_batch_size, num_peer_rows)
+    return min(num_peer_rows, max(8, -(-num_peer_rows // 8)))
+
+
+def _compacted(rows: Rows, keep: jax.Array, chunk: int):
+    """(fields [n, chunk, ...] with the kept rows first (stable order), live bool[n] (chunk holds a kept
+    row), order int32[R] (position -> original row))."""
+    order = jnp.argsort(~keep, stable=True)
+    fields = _split(rows.replace(**{f: getattr(rows, f)[order] for f in PER_ROW}), chunk)
+    kept = jnp.pad(keep[order], (0, fields["rewards"].shape[0] * chunk - keep.shape[0]))
+    return fields, jnp.any(kept.reshape(-1, chunk), axis=1), order
+
+
 def _tree_where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
@@ -156,14 +195,25 @@ def _tree_where(c, a, b):
 def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0,
                  *, jit: bool = False):
     """``grads(params, batch, see_view, key) -> (loss, grads, metrics)``: steps 1-4 of the update (see the
-    module docstring), without the optimizer. metrics are reduced means (plus the figures of the batch)."""
+    module docstring), without the optimizer. metrics are reduced means (plus the figures of the batch).
+
+    Cost follows the rows that carry weight: own rows run in micro-batches of ``micro_batch_size``; peer
+    slots are compacted (rows that ``carries_weight`` first) into chunks of ``peer_chunk_rows`` and a chunk
+    without such a row is skipped (``lax.cond``); the no-grad peer pre-pass likewise skips EMPTY slots.
+    The gradient equals the padded layout's (every term's denominator comes from the full rows).
+    loss_type "bnpo" (a per-micro-batch token mean) keeps the padded layout: own ++ peer rows in
+    micro-batches. metrics["rows_computed"]: the rows that ran forward and backward."""
     cfg = GRPOConfig() if grpo_config is None else grpo_config
     probe = make_probe(probe if probe is not None else "none")
     if micro_batch_size < 0:
         raise ValueError(f"micro_batch_size must be >= 0, got {micro_batch_size}")
 
-    def forward(params, r: Rows, frozen=None):
+    def forward(params, r: Rows, frozen=None, group: int = 1):
+        """(logp, entropy) of the rows; group G > 1: the rows are whole prompt groups (prompt computed once)."""
         model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+        if group > 1:
+            return grouped_logp(model, r.prompt_ids[::group], r.prompt_mask[::group], r.completion_ids,
+                                r.completion_mask, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
         return rows_logp(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                          temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
 
@@ -179,42 +229,57 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
                              consumer=see_view.consumer, probe_index=probe_index,
                              scale_rewards=cfg.scale_rewards, reward_eps=cfg.reward_eps, loss_type=cfg.loss_type,
                              max_completion_length=cfg.max_completion_length)
-        R = rows.num_rows
-        mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
+        R, n_own = rows.num_rows, rows.num_own
+        padded = cfg.loss_type == "bnpo"
+        n_main = R if padded else n_own
+        mb = n_main if micro_batch_size == 0 else min(micro_batch_size, n_main)
+        pc = peer_chunk_rows(R - n_own, micro_batch_size) if R > n_own else 0
 
         def peer_logp(peer: Rows):
-            lp = jax.lax.map(lambda f: forward(params, _mb_rows(f, peer), frozen)[0],
-                             _split(peer, min(mb, peer.num_rows)))
-            return lp.reshape((-1,) + lp.shape[2:])[: peer.num_rows]
+            fields, live, order = _compacted(peer, peer.row_kind != EMPTY, pc)
+            zeros = jnp.zeros((pc,) + peer.completion_ids.shape[1:], jnp.float32)
+            lp = jax.lax.map(lambda a: jax.lax.cond(a[1], lambda f: forward(params, _mb_rows(f, peer), frozen)[0],
+                                                    lambda f: zeros, a[0]), (fields, live))
+            lp = lp.reshape((-1,) + lp.shape[2:])[: peer.num_rows]
+            return jnp.zeros_like(lp).at[order].set(lp)
 
         rows, probe_metrics = objective.prepare(rows, see_view, key, probe, cfg, peer_logp)
         dens = objective.denominators(rows, probe, cfg)
-        fields = _split(rows, mb)
-        n_micro = jax.tree.leaves(fields)[0].shape[0]
+        main = _split(rows.take(0, n_main), mb)
+        n_micro = main["rewards"].shape[0]
+        group = G if n_main == n_own and mb % G == 0 else 1   # micro-batches of whole own groups
 
-        def loss_fn(p, r: Rows):
-            logp, ent = forward(p, r, frozen)
+        def loss_fn(p, r: Rows, group: int):
+            logp, ent = forward(p, r, frozen, group)
             return objective.loss_terms(logp, ent, r, probe, cfg, dens, n_micro)
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        first = _mb_rows(jax.tree.map(lambda a: a[0], fields), rows)
-        m_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
-        zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
 
-        def body(carry, f):
+        def add(carry, f, group=1):
             g_acc, l_acc, m_acc = carry
-            (loss, m), g = grad_fn(params, _mb_rows(f, rows))
+            (loss, m), g = grad_fn(params, _mb_rows(f, rows), group)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, l_acc + loss, jax.tree.map(jnp.add, m_acc, m)), None
+            return g_acc, l_acc + loss, jax.tree.map(jnp.add, m_acc, m)
 
+        first = _mb_rows(jax.tree.map(lambda a: a[0], main), rows)
+        m_shape = jax.eval_shape(lambda: grad_fn(params, first, 1)[0][1])
         # accumulate in float32 (bf16 params too), hand back grads in the params' dtypes
-        init = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.float32(0.0), zeros_m)
-        (grads, loss, msum), _ = jax.lax.scan(body, init, fields)
+        carry = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.float32(0.0),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape))
+        carry, _ = jax.lax.scan(lambda c, f: (add(c, f, group), None), carry, main)
+        computed = jnp.float32(n_micro * mb)
+        if n_main < R:
+            peers = rows.take(n_main)
+            fields, live, _ = _compacted(peers, carries_weight(peers), pc)
+            carry, _ = jax.lax.scan(lambda c, a: (jax.lax.cond(a[1], add, lambda c_, f: c_, c, a[0]), None),
+                                    carry, (fields, live))
+            computed = computed + pc * jnp.sum(live.astype(jnp.float32))
+        grads, loss, msum = carry
         grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
         pg_loss = msum.pop("pg_loss")[0]
         metrics = grpo.reduce_metrics(grpo.merge_metrics(msum, probe_metrics))
         metrics.update(_batch_metrics(rows, batch))
-        metrics.update({"loss": loss, "pg_loss": pg_loss})
+        metrics.update({"loss": loss, "pg_loss": pg_loss, "rows_computed": computed})
         metrics.setdefault("kl", jnp.float32(0.0))
         return loss, grads, metrics
 
@@ -280,9 +345,14 @@ def make_logp_fn(graphdef, grpo_config: Optional[GRPOConfig] = None, micro_batch
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
         f = _split(rows, mb)
         model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-        model_fn = lambda x: rows_logp(model, x["prompt_ids"], x["prompt_mask"],
-                                       x["completion_ids"], x["completion_mask"], temperature=cfg.temperature,
-                                       chunk_size=cfg.logprob_chunk_size)[0]
+        G = batch.num_generations
+        opts = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+        if mb % G == 0:   # micro-batches of whole groups: each prompt computed once
+            model_fn = lambda x: grouped_logp(model, x["prompt_ids"][::G], x["prompt_mask"][::G],
+                                              x["completion_ids"], x["completion_mask"], **opts)[0]
+        else:
+            model_fn = lambda x: rows_logp(model, x["prompt_ids"], x["prompt_mask"], x["completion_ids"],
+                                           x["completion_mask"], **opts)[0]
         lp = jax.lax.map(model_fn, f)
         return lp.reshape((-1,) + lp.shape[2:])[:R]
 

@@ -93,6 +93,42 @@ def test_micro_batch_accumulation_equals_full_batch():
     assert float(full[2]["sgt/rows_fired"]) > 0 and float(full[2]["prp/rows"]) > 0
 
 
+@pytest.mark.parametrize("micro", [0, 4])
+def test_only_weighted_peer_slots_are_computed_and_the_gradient_equals_the_padded_layout(micro):
+    """32 peer slots, one filled per prompt: the update computes the own rows and one chunk of peers, and its
+    loss, gradient and metrics equal the full padded layout's (every row in one forward, no skipping)."""
+    from mrl_jax import objective
+    from mrl_jax.learner import assemble_rows, rows_logp
+    V, P, G, Tc, K = 16, 4, 2, 3, 8
+    graphdef, params = nnx.split(_model(V))
+    rs = np.random.RandomState(1)
+    prompts = jnp.asarray(rs.randint(3, V, (P, TP)), jnp.int32)
+    batch = _batch(prompts, jnp.asarray(rs.randint(0, V, (P * G, Tc)), jnp.int32),
+                   jnp.asarray(rs.uniform(-3.5, -2.0, (P * G, Tc)), jnp.float32),
+                   jnp.asarray([0, 0, 1, 0, 0, 0, 1, 1], jnp.float32))
+    view = _peer_view(P, K, rs.randint(0, V, (P, Tc)), Tc)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="grpo", beta=0.0)
+    key = jax.random.PRNGKey(2)
+    loss, grads, m = make_grad_fn(graphdef, "prp+sgt", cfg, micro, jit=True)(params, batch, view, key)
+
+    def padded(p):
+        logp_fn = lambda r: rows_logp(nnx.merge(graphdef, p), r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                      r.completion_mask)
+        rows = assemble_rows(batch, view, consumer=view.consumer, max_completion_length=Tc)
+        return objective.objective(logp_fn, rows, view, key, __import__("mrl_jax").probes.make_probe("prp+sgt"),
+                                   cfg)
+    (ref_loss, ref_m), ref_grads = jax.jit(jax.value_and_grad(padded, has_aux=True))(params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+                 grads, ref_grads)
+    for k in ("prp/rows", "prp/ess", "sgt/rows_fired", "entropy"):
+        np.testing.assert_allclose(float(m[k]), float(ref_m[k]), rtol=1e-5, err_msg=k)
+    assert float(m["sgt/rows_fired"]) > 0 and float(m["prp/rows"]) > 0
+    own, chunk = P * G, (micro or 8)
+    own_computed = -(-own // micro) * micro if micro else own
+    assert float(m["rows_computed"]) == own_computed + chunk < own + P * K
+
+
 @functools.lru_cache(maxsize=None)
 def _grpo_env(V=16, P=4, G=8, Tc=1):
     """One tiny policy + one compiled 'none' update shared by the NaN-guard and GRPO-learning tests."""

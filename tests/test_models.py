@@ -190,3 +190,36 @@ def test_from_hf_legacy_and_unsupported_configs():
     with pytest.raises(CheckpointError, match="x/config.json.*'num_hidden_layers'"):
         ModelConfig.from_hf({k: v for k, v in dict(base, model_type="qwen2").items() if k != "num_hidden_layers"},
                             source="x/config.json")
+
+
+@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("gpt2", {}), ("mistral", {"sliding_window": 5})])
+def test_hidden_prefix_equals_the_repeated_prompt_rows_with_gradients(family, extra):
+    """Each prompt computed once for its M completions: hidden states and the gradient of a loss on them equal
+    ``hidden`` on [prompt ++ completion] rows (left-padded prompts, ragged completions, sliding window)."""
+    from flax import nnx
+    model = tiny_model(family, 64, **extra)
+    P, M, Tp, Tc = 3, 4, 6, 5
+    rs = np.random.RandomState(0)
+    pids = jnp.asarray(rs.randint(3, 64, (P, Tp)), jnp.int32)
+    pm = jnp.asarray(np.arange(Tp)[None] >= np.array([[0], [2], [5]]))
+    cids = jnp.asarray(rs.randint(3, 64, (P * M, Tc)), jnp.int32)
+    cm = jnp.asarray((np.arange(Tc)[None] < rs.randint(1, Tc + 1, (P * M, 1))).astype(np.float32))
+    w = jnp.asarray(rs.randn(P * M, Tc, model.config.hidden_size), jnp.float32) * cm[..., None]
+    graphdef, params = nnx.split(model)
+
+    def shared(p):
+        hl, hc = nnx.merge(graphdef, p).hidden_prefix(pids, pm, cids, cm)
+        return jnp.sum(hc * w) + jnp.sum(hl * w[::M, 0]), (hl, hc)
+
+    def repeated(p):
+        ids = jnp.concatenate([jnp.repeat(pids, M, 0), cids], 1)
+        h = nnx.merge(graphdef, p).hidden(ids, attention_mask=jnp.concatenate([jnp.repeat(pm, M, 0), cm > 0], 1))
+        return jnp.sum(h[:, Tp:] * w) + jnp.sum(h[::M, Tp - 1] * w[::M, 0]), (h[::M, Tp - 1], h[:, Tp:])
+
+    (l1, (hl, hc)), g1 = jax.value_and_grad(shared, has_aux=True)(params)
+    (l2, (rl, rc)), g2 = jax.value_and_grad(repeated, has_aux=True)(params)
+    np.testing.assert_allclose(np.asarray(hl), np.asarray(rl), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hc * cm[..., None]), np.asarray(rc * cm[..., None]), atol=1e-5)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):   # 1e-5 of the leaf's scale (summation order)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))

@@ -14,7 +14,8 @@ V, P, G, TP, TC = 11, 2, 3, 2, 4
 
 
 class BigramLM(nnx.Module):
-    """hidden = embedding of the current token, head = linear (the .hidden/.head contract, compiles fast)."""
+    """hidden = embedding of the current token, head = linear (the learner's .hidden/.hidden_prefix/.head
+    contract, compiles fast)."""
 
     def __init__(self, seed=0):
         rngs = nnx.Rngs(seed)
@@ -23,6 +24,9 @@ class BigramLM(nnx.Module):
 
     def hidden(self, ids, *, positions=None, attention_mask=None):
         return self.embed(ids)
+
+    def hidden_prefix(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        return self.embed(prompt_ids[:, -1]), self.embed(completion_ids)
 
     def head(self, h):
         return self.out(h)

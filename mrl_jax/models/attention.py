@@ -99,6 +99,34 @@ class SampleCache:
         return pm, gm
 
 
+@struct.dataclass
+class PrefixMask:
+    """Masks of a prompt-shared layout: P prompts of Tp tokens, each followed by M completions of Tc tokens,
+    laid out as ONE row of N = P*Tp + P*M*Tc tokens (prompts first, then completions prompt-major).
+
+    prompt: bool[P, Tp, Tp] (causal self-attention inside each prompt); to_prompt: bool[P, M or 1, Tc, Tp]
+    (completion query t of sample m sees prompt slot s); completion: bool[P*M, Tc, Tc] (causal inside each
+    completion). The prompt's keys are computed once and read by its M completions (gradients summed back).
+    """
+
+    prompt: jax.Array
+    to_prompt: jax.Array
+    completion: jax.Array
+
+    @classmethod
+    def build(cls, prompt_mask: jax.Array, completion_mask: jax.Array, window: Optional[int] = None) -> "PrefixMask":
+        """prompt_mask bool[P, Tp] (left padding False), completion_mask [P*M, Tc] (1 = real token)."""
+        P, Tp = prompt_mask.shape
+        B, Tc = completion_mask.shape
+        pm = prompt_mask.astype(bool)
+        to_prompt = pm[:, None, None, :]
+        if window is not None:   # completion query t sits at slot Tp + t of the concatenated row
+            t, s = jnp.arange(Tc)[:, None], jnp.arange(Tp)[None, :]
+            to_prompt = to_prompt & (s > Tp + t - window)[None, None]
+        return cls(prompt=make_mask(pm, 0, Tp, window), to_prompt=to_prompt,
+                   completion=make_mask(completion_mask > 0, 0, Tc, window))
+
+
 def default_positions(input_ids: jax.Array, attention_mask: Optional[jax.Array]) -> jax.Array:
     """int32[B, T]: cumsum(mask) - 1 clipped at 0 (left padding works); arange(T) without a mask."""
     B, T = input_ids.shape
@@ -144,11 +172,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     cache None: the keys are the new tokens (S = T). A KVCache: the new k/v are written into
     ``cache`` layer ``layer`` at slots [cache_index, cache_index + T) (caller keeps cache_index + T <= S)
     and the queries attend over all S slots of that layer. A SampleCache (one decode step, T = 1): see
-    :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair.
+    :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair. A PrefixMask (q, k, v [1, N, ., D] of the
+    prompt-shared layout): see :func:`_attend_prefix`.
     Scores, mask and softmax in float32; returns ([B, T, H, D] in q.dtype, updated cache or None).
     """
     if isinstance(cache, SampleCache):
         return _attend_shared(q, k, v, mask, scale, cache, layer, cache_index)
+    if isinstance(mask, PrefixMask):
+        return _attend_prefix(q, k, v, mask, scale), cache
     if cache is not None:
         idx = jnp.asarray(cache_index, jnp.int32)
         zero = jnp.zeros((), jnp.int32)
@@ -165,6 +196,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
     return out.reshape(B, T, H, D), cache
+
+
+def _attend_prefix(q, k, v, mask: PrefixMask, scale):
+    """Attention of the prompt-shared layout (see PrefixMask): q [1, N, H, D], k, v [1, N, K, D].
+
+    Prompts attend causally within themselves; completion b = p*M + m attends to prompt p's keys and to its
+    own earlier tokens through one float32 softmax, which equals attention over [prompt ++ completion].
+    """
+    P, Tp = mask.prompt.shape[:2]
+    B, Tc = mask.completion.shape[:2]
+    H, K, D = q.shape[2], k.shape[2], q.shape[3]
+    M, g, n = B // P, H // K, P * Tp
+    out_p, _ = attention(q[0, :n].reshape(P, Tp, H, D), k[0, :n].reshape(P, Tp, K, D),
+                         v[0, :n].reshape(P, Tp, K, D), mask.prompt, scale=scale)
+    pk, pv = k[0, :n].reshape(P, Tp, K, D).astype(q.dtype), v[0, :n].reshape(P, Tp, K, D).astype(q.dtype)
+    qc = q[0, n:].reshape(P, M, Tc, K, g, D)
+    kc, vc = k[0, n:].reshape(B, Tc, K, D).astype(q.dtype), v[0, n:].reshape(B, Tc, K, D).astype(q.dtype)
+    sp = jnp.einsum("pmtkgd,pskd->pmkgts", qc, pk, preferred_element_type=jnp.float32)
+    sp = jnp.where(mask.to_prompt[:, :, None, None], sp * scale, _NEG).reshape(B, K, g, Tc, Tp)
+    sc = jnp.einsum("btkgd,bskd->bkgts", qc.reshape(B, Tc, K, g, D), kc, preferred_element_type=jnp.float32)
+    sc = jnp.where(mask.completion[:, None, None], sc * scale, _NEG)
+    probs = jax.nn.softmax(jnp.concatenate([sp, sc], axis=-1), axis=-1).astype(q.dtype)
+    oc = jnp.einsum("pmkgts,pskd->pmtkgd", probs[..., :Tp].reshape(P, M, K, g, Tc, Tp), pv).reshape(B, Tc, H, D)
+    oc = oc + jnp.einsum("bkgts,bskd->btkgd", probs[..., Tp:], vc).reshape(B, Tc, H, D)
+    return jnp.concatenate([out_p.reshape(n, H, D), oc.reshape(B * Tc, H, D)], 0)[None]
 
 
 def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_index):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import KVCache, SampleCache, default_positions, make_mask
+from .attention import KVCache, PrefixMask, SampleCache, default_positions, make_mask
 from .config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -148,6 +148,33 @@ class CausalLM(nnx.Module):
         kv_mask = jnp.ones((B, T), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
         h, _ = self._run(input_ids, jnp.asarray(positions, jnp.int32), kv_mask, None, 0)
         return h
+
+    def hidden_prefix(self, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
+                      completion_mask: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        """Hidden states of P prompts each followed by M completions, every prompt computed ONCE:
+        (last prompt position [P, D], completions [P*M, Tc, D]) — equal to ``hidden`` on the rows
+        [prompt_p ++ completion_b] (b = p*M + m) at those positions; gradients of the M completions sum
+        into their prompt.
+
+        prompt_ids int32[P, Tp] (left-padded), prompt_mask bool[P, Tp], completion_ids int32[P*M, Tc],
+        completion_mask [P*M, Tc] (1 = real token; positions follow it as in ``hidden``)."""
+        P, Tp = prompt_ids.shape
+        B, Tc = completion_ids.shape
+        pm = jnp.asarray(prompt_mask).astype(bool)
+        cm = jnp.asarray(completion_mask) > 0
+        plen = jnp.repeat(jnp.sum(pm, axis=1, dtype=jnp.int32), B // P)
+        p_pos = default_positions(prompt_ids, pm)
+        c_pos = jnp.maximum(plen[:, None] + jnp.cumsum(cm.astype(jnp.int32), axis=1) - 1, 0)
+        ids = jnp.concatenate([jnp.asarray(prompt_ids, jnp.int32).reshape(-1),
+                               jnp.asarray(completion_ids, jnp.int32).reshape(-1)])[None]
+        pos = jnp.concatenate([p_pos.reshape(-1), c_pos.reshape(-1)])[None]
+        windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+        masks = {w: PrefixMask.build(pm, cm, w) for w in windows}
+        x = self.embed(ids, pos).reshape(ids.shape[1], -1)
+        for i, layer in enumerate(self.layers):
+            x, _ = layer(x, pos, masks[self.config.layer_window(i)], cache=None, layer=i, cache_index=0)
+        h = self.final_norm(x)
+        return h[: P * Tp].reshape(P, Tp, -1)[:, -1], h[P * Tp:].reshape(B, Tc, -1)
 
     def __call__(self, input_ids: jax.Array, *, positions: Optional[jax.Array] = None,
                  attention_mask: Optional[jax.Array] = None) -> jax.Array:
