@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_out(bench)
     bench.add_argument("--quick", action="store_true", help="small shapes, a couple of minutes on CPU")
     bench.add_argument("--only", default=None, help="comma-separated subset of benchmarks to run")
+    bench.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                       help="first wait up to SECONDS for the 1-minute load average to fall below --idle-load "
+                       "(figures taken above it are marked contended)")
+    bench.add_argument("--idle-load", type=float, default=None, metavar="LOAD",
+                       help="the idle threshold (default 0.5 on this machine's core count; see bench_env)")
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run directory",
                             description="Read a run directory of `mrl train` (metrics.jsonl, groups.jsonl, "
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             from mrl_jax.bench import run_benchmarks
 
             only = args.only.split(",") if args.only else None
-            summary = run_benchmarks(args.out, quick=args.quick, only=only)
+            summary = run_benchmarks(args.out, quick=args.quick, only=only, wait_idle_s=args.wait_idle,
+                                     idle_load=args.idle_load)
         elif args.verb == "report":
             from mrl_jax.report import write_report
 

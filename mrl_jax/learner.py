@@ -266,7 +266,10 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         # accumulate in float32 (bf16 params too), hand back grads in the params' dtypes
         carry = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.float32(0.0),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape))
-        carry, _ = jax.lax.scan(lambda c, f: (add(c, f, group), None), carry, main)
+        if n_micro == 1:   # no loop around a single micro-batch
+            carry = add(carry, jax.tree.map(lambda a: a[0], main), group)
+        else:
+            carry, _ = jax.lax.scan(lambda c, f: (add(c, f, group), None), carry, main)
         computed = jnp.float32(n_micro * mb)
         if n_main < R:
             peers = rows.take(n_main)

@@ -157,3 +157,16 @@ def test_script_main_wait_idle_flag(monkeypatch, capsys):
     assert bench.script_main(lambda quick: {"q": quick}, "x", ["--quick", "--wait-idle", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["q"] is True and out["load"]["wait_idle"]["idle"] is True and "contended" in out
+
+
+def test_cli_bench_waits_for_idle_with_the_given_threshold(bench_dir, tmp_path, monkeypatch):
+    """`mrl bench --wait-idle S --idle-load L` waits (bounded) on the given threshold before timing."""
+    from mrl_jax import bench_env, cli
+    seen = []
+    real = bench_env.wait_idle
+    monkeypatch.setattr(bench_env, "wait_idle", lambda s, t=None, **kw: seen.append((s, t)) or real(s, t, **kw))
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--only", "cheap", "--wait-idle", "0.5", "--idle-load", "1000", "--out", str(out)]) == 0
+    assert seen == [(0.5, 1000.0)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmarks"]["cheap"]["items_per_s"] == 123.0
