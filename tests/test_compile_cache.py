@@ -53,3 +53,20 @@ def test_two_processes_share_entries(tmp_path):
     second = _run(cache)
     assert first == second  # same result, loaded from the cache
     assert sorted(p.name for p in cache.iterdir()) == entries  # a hit: no new entry
+
+
+def test_compile_counter_counts_programs_not_calls():
+    """Two shapes of one jitted function are two programs; calling again with a seen shape builds none;
+    nothing is counted after the block."""
+    import jax
+    import jax.numpy as jnp
+
+    from mrl_jax.compile_stats import CompileCounter
+
+    f = jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0)
+    xs = [jnp.ones((n,), jnp.float32) for n in (3, 5, 7)]
+    with CompileCounter() as counter:
+        for i in (0, 1, 0, 1, 0):
+            f(xs[i]).block_until_ready()
+    f(xs[2]).block_until_ready()
+    assert counter.summary()["programs"] == 2 and counter.seconds > 0
