@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-POLICY_KINDS = [("llama", "byte_bpe", 320), ("gpt2", "char", 64), ("qwen2", "metaspace_bpe", 384),
+POLICY_KINDS = [("llama", "byte_bpe", 320), ("gpt2", "char", 320), ("qwen2", "metaspace_bpe", 384),
                 ("llama", "unigram", 384)]
 PROBES = "xgrpo+sgt"
 SETTINGS = {
@@ -59,19 +59,17 @@ def _measure(num_policies: int, G: int, s: dict, cache_dir: str) -> dict:
 
     cfg = _config(num_policies, G, s)
     t0 = time.perf_counter()
-    run = Run(cfg, cache_dir=cache_dir, warm=False)
+    run = Run(cfg, cache_dir=cache_dir)
+    state = run.initial_state()   # warm_start.steps defaults to 0: the built weights
     build_s = time.perf_counter() - t0
-    state = run.state
     from mrl_jax.bench_env import section
 
     times, phases = [], []
     with RewardScorer([task_reward(run.task, timeout_s=cfg.reward_timeout_s)]) as scorer, \
             section(f"scaling_n{num_policies}_G{G}") as load:
         for r in range(cfg.rounds):
-            prompts, dense = run.round_prompts(r)
             t = time.perf_counter()
-            state, metrics, _ = run_round(run.policies, state, prompts, dense, scorer=scorer, key=run.round_key(r),
-                                          round_index=r, num_generations=G, view_shape=run.view_shape)
+            state, metrics, _ = run_round(run.policies, state, run.round_inputs(r), scorer)
             jax.block_until_ready(jax.tree.leaves(state.policies))
             times.append(time.perf_counter() - t)
             m = next(iter(metrics.values()))  # the phase timer is shared by every policy of the round
