@@ -79,6 +79,7 @@ def test_two_policy_run_completes_for_every_probe(probe_run):
     written = json.loads((out / "summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert set(written["policies"]) == set(POLICIES)
+    assert written["compiles"]["programs"] > 0 and written["compiles"]["seconds"] > 0
     for pol in written["policies"].values():
         assert pol["params"] > 0 and 0.0 <= pol["eval"]["success"] <= 1.0
     # the peer-reading probes really read peers: their view holds the other policy's texts

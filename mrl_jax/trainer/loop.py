@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
@@ -170,8 +171,17 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
 
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Task | None = None,
           reward_specs: Sequence[RewardSpec] | None = None, progress: bool = True) -> dict:
-    """Run (or resume) an MRL run into ``out_dir``; returns the summary (also written as summary.json)."""
-    out = Path(out_dir)
+    """Run (or resume) an MRL run into ``out_dir``; returns the summary (also written as summary.json).
+    summary["compiles"]: the XLA programs this process built (``compile_stats.CompileCounter``)."""
+    with CompileCounter() as compiles:
+        summary = _train(cfg, Path(out_dir), resume, task, reward_specs, progress)
+    summary["compiles"] = compiles.summary()
+    if jax.process_index() == 0:   # multi-host: only process 0 writes logs, config, plan and summary
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_specs, progress: bool) -> dict:
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     try:
         latest = _resume_round(ckpt, out, cfg, resume)
@@ -181,7 +191,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
         ckpt.close()
         raise
     # on resume, drop the records (and TensorBoard events) of rounds after the checkpoint: they are redone
-    primary = jax.process_index() == 0   # multi-host: only process 0 writes logs, config, plan and summary
+    primary = jax.process_index() == 0   # multi-host: only process 0 writes logs, config and plan
     log = RunLog(out, progress=progress, purge_step=start if resume else None, rounds=(start, cfg.rounds),
                  report_to=cfg.report_to, config=to_dict(cfg)) if primary else _NullLog()
     if resume:
@@ -209,10 +219,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
     finally:
         log.close()
         ckpt.close()
-    summary = _summary(run, state, start)
-    if primary:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return _summary(run, state, start)
 
 
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
