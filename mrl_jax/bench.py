@@ -77,9 +77,13 @@ def run_recorded(fn, wait_idle_s: float = 0.0, threshold: float | None = None) -
     from mrl_jax import bench_env
 
     wait = bench_env.wait_idle(wait_idle_s, threshold) if wait_idle_s > 0 else None
+    bench_env.settle_sections(wait_idle_s)   # and before each timed section (its own set-up raised the load)
     bench_env.collect()  # drop anything logged before this benchmark
-    with bench_env.section("whole_run", threshold) as whole:
-        figures = fn()
+    try:
+        with bench_env.section("whole_run", threshold) as whole:
+            figures = fn()
+    finally:
+        bench_env.settle_sections(0)
     sections = [r for r in bench_env.collect() if r is not whole]
     load = bench_env.summarize(sections or [whole], wait)
     load["whole_run"] = whole

@@ -25,7 +25,7 @@ import time
 from typing import Callable, Iterator
 
 __all__ = ["load_average", "default_threshold", "cpu_times", "busy_processes", "is_contended",
-           "wait_idle", "section", "collect", "summarize"]
+           "wait_idle", "settle_sections", "section", "collect", "summarize"]
 
 _LOG: list[dict] = []
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -126,19 +126,34 @@ def wait_idle(max_wait_s: float, threshold: float | None = None, *, poll_s: floa
             "threshold": threshold, "polls": polls}
 
 
+_SETTLE = {"max_s": 0.0}
+
+
+def settle_sections(max_wait_s: float) -> None:
+    """From now on every :func:`section` first waits (at most ``max_wait_s``; 0 = never) for the load to
+    fall below its threshold: the benchmark's own set-up or previous section (a compile, the other
+    framework's run) raises the 1-minute load too, and a section must start quiet to count as idle."""
+    _SETTLE["max_s"] = max(0.0, float(max_wait_s))
+
+
 @contextlib.contextmanager
 def section(name: str, threshold: float | None = None, *,
             load_reader: Callable[[], float] | None = None,
             snapshot: Callable[[], dict] | None = None,
-            clock: Callable[[], float] = time.perf_counter) -> Iterator[dict]:
+            clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> Iterator[dict]:
     """Record the machine's load around a timed block; yields the record dict, filled on exit.
 
     Record: name, load_before, load_after (1-min averages), other_cores (CPU cores the other processes
-    used during the block), busy (the busiest of them), wall_s, threshold, contended.
+    used during the block), busy (the busiest of them), wall_s, threshold, contended; settled_s (the wait
+    for quiet before it, see :func:`settle_sections`).
     """
     threshold = default_threshold() if threshold is None else float(threshold)
     load_reader, snapshot = load_reader or load_average, snapshot or cpu_times  # looked up at call time
-    rec: dict = {"name": name, "load_before": round(load_reader(), 3), "threshold": threshold}
+    settled = 0.0
+    if _SETTLE["max_s"] > 0:
+        settled = wait_idle(_SETTLE["max_s"], threshold, load_reader=load_reader, sleep=sleep)["waited_s"]
+    rec: dict = {"name": name, "load_before": round(load_reader(), 3), "threshold": threshold,
+                 "settled_s": settled}
     snap0, t0 = snapshot(), clock()
     try:
         yield rec

@@ -167,6 +167,24 @@ def test_cli_bench_waits_for_idle_with_the_given_threshold(bench_dir, tmp_path, 
     monkeypatch.setattr(bench_env, "wait_idle", lambda s, t=None, **kw: seen.append((s, t)) or real(s, t, **kw))
     out = tmp_path / "out"
     assert cli.main(["bench", "--only", "cheap", "--wait-idle", "0.5", "--idle-load", "1000", "--out", str(out)]) == 0
-    assert seen == [(0.5, 1000.0)]
+    assert seen and set(seen) == {(0.5, 1000.0)}   # before the run and before each section
     summary = json.loads((out / "summary.json").read_text())
     assert summary["benchmarks"]["cheap"]["items_per_s"] == 123.0
+
+
+def test_sections_settle_to_quiet_first_when_asked(monkeypatch):
+    """settle_sections(S): a section waits (bounded) for the load its own set-up left, then starts quiet."""
+    clk = bench_env._CLK
+    loads = iter([0.9, 0.7, 0.3, 0.3, 0.3])   # decaying 1-minute load, one reading per poll
+    slept = []
+    snaps = _snapshots(other_ticks_during=int(1 * clk))
+    t = iter([0.0, 10.0])
+    bench_env.settle_sections(60)
+    try:
+        with bench_env.section("z", 0.5, load_reader=lambda: next(loads), snapshot=lambda: next(snaps),
+                               clock=lambda: next(t), sleep=slept.append) as rec:
+            pass
+    finally:
+        bench_env.settle_sections(0)
+    assert len(slept) == 2 and rec["load_before"] == 0.3 and not rec["contended"]
+    bench_env.collect()
