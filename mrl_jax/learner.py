@@ -188,6 +188,23 @@ def _compacted(rows: Rows, keep: jax.Array, chunk: int):
     return fields, jnp.any(kept.reshape(-1, chunk), axis=1), order
 
 
+def _accumulate(add, carry, main: dict, group: int, peers: Rows, chunk: int):
+    """(carry, rows computed): ``add(carry, fields, group)`` over the main micro-batches ([n, mb, ...]; one is
+    called directly), then over the compacted peer chunks that hold a weighted row (``lax.cond``)."""
+    n, mb = main["rewards"].shape[:2]
+    if n == 1:   # no loop around a single micro-batch
+        carry = add(carry, jax.tree.map(lambda a: a[0], main), group)
+    else:
+        carry, _ = jax.lax.scan(lambda c, f: (add(c, f, group), None), carry, main)
+    computed = jnp.float32(n * mb)
+    if peers.num_rows:
+        fields, live, _ = _compacted(peers, carries_weight(peers), chunk)
+        carry, _ = jax.lax.scan(lambda c, a: (jax.lax.cond(a[1], add, lambda c_, f: c_, c, a[0]), None),
+                                carry, (fields, live))
+        computed = computed + chunk * jnp.sum(live.astype(jnp.float32))
+    return carry, computed
+
+
 def _tree_where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
@@ -266,17 +283,7 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
         # accumulate in float32 (bf16 params too), hand back grads in the params' dtypes
         carry = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.float32(0.0),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape))
-        if n_micro == 1:   # no loop around a single micro-batch
-            carry = add(carry, jax.tree.map(lambda a: a[0], main), group)
-        else:
-            carry, _ = jax.lax.scan(lambda c, f: (add(c, f, group), None), carry, main)
-        computed = jnp.float32(n_micro * mb)
-        if n_main < R:
-            peers = rows.take(n_main)
-            fields, live, _ = _compacted(peers, carries_weight(peers), pc)
-            carry, _ = jax.lax.scan(lambda c, a: (jax.lax.cond(a[1], add, lambda c_, f: c_, c, a[0]), None),
-                                    carry, (fields, live))
-            computed = computed + pc * jnp.sum(live.astype(jnp.float32))
+        carry, computed = _accumulate(add, carry, main, group, rows.take(n_main), pc)
         grads, loss, msum = carry
         grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, params)
         pg_loss = msum.pop("pg_loss")[0]
