@@ -49,6 +49,17 @@ def compile_cache_dir() -> str:
     return os.environ.get("MRL_TEST_XLA_CACHE") or default
 
 
+def forced_devices_env(devices: int, base: dict | None = None) -> dict:
+    """``base`` (default ``os.environ``) for a child process on ``devices`` forced CPU devices: XLA_FLAGS keeps
+    its other flags, JAX_PLATFORMS=cpu, the repo first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
 def compile_cache_env() -> dict:
     return {"JAX_COMPILATION_CACHE_DIR": compile_cache_dir(), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

@@ -95,8 +95,6 @@ class Batch:
         return self.completion_ids.shape[0] // self.prompt_ids.shape[0]
 
 
-
-
 def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool = False,
                   consumer: Union[int, jax.Array] = 0, probe_index: Union[int, jax.Array] = 0,
                   scale_rewards: str = "group", reward_eps: float = 1e-4, loss_type: str = "grpo",
@@ -119,6 +117,10 @@ def assemble_rows(batch: Batch, view=None, *, mask_truncated_completions: bool =
 
 # ----------------------------------------------------------------------------- log-probs and loss
 
+def _scaled_head(model, temperature: float):
+    return model.head if temperature == 1.0 else (lambda x: model.head(x) / temperature)
+
+
 def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0,
               chunk_size: int = 128):
     """(logp, entropy) f32[B, Tc] of the completion tokens under ``model`` (.hidden/.head)."""
@@ -126,9 +128,8 @@ def rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *
     ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask > 0], axis=1)
     h = model.hidden(ids, attention_mask=mask)
-    hc = h[:, Tp - 1: ids.shape[1] - 1]
-    head = (lambda x: model.head(x)) if temperature == 1.0 else (lambda x: model.head(x) / temperature)
-    return grpo.chunked_token_stats(hc, head, completion_ids.astype(jnp.int32), chunk_size)
+    return grpo.chunked_token_stats(h[:, Tp - 1: ids.shape[1] - 1], _scaled_head(model, temperature),
+                                    completion_ids.astype(jnp.int32), chunk_size)
 
 
 def grouped_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature: float = 1.0,
@@ -139,8 +140,21 @@ def grouped_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask
     G = completion_ids.shape[0] // prompt_ids.shape[0]
     h_last, hc = model.hidden_prefix(prompt_ids, prompt_mask, completion_ids, completion_mask)
     h = jnp.concatenate([jnp.repeat(h_last, G, axis=0)[:, None], hc[:, :-1]], axis=1)
-    head = (lambda x: model.head(x)) if temperature == 1.0 else (lambda x: model.head(x) / temperature)
-    return grpo.chunked_token_stats(h, head, completion_ids.astype(jnp.int32), chunk_size)
+    return grpo.chunked_token_stats(h, _scaled_head(model, temperature), completion_ids.astype(jnp.int32),
+                                    chunk_size)
+
+
+def _rows_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group: int, cfg: GRPOConfig):
+    """(logp, entropy) f32[B, Tc] of B rows; group G > 1: the rows are whole prompt groups of G (prompt-major),
+    each prompt computed once (``grouped_logp``), else every row on its own (``rows_logp``)."""
+    opts = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+    if group > 1:
+        return grouped_logp(model, prompt_ids[::group], prompt_mask[::group], completion_ids, completion_mask, **opts)
+    return rows_logp(model, prompt_ids, prompt_mask, completion_ids, completion_mask, **opts)
+
+
+def _merged(graphdef, params, frozen=None):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 def _split(rows: Rows, mb: int):
@@ -227,12 +241,8 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
 
     def forward(params, r: Rows, frozen=None, group: int = 1):
         """(logp, entropy) of the rows; group G > 1: the rows are whole prompt groups (prompt computed once)."""
-        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-        if group > 1:
-            return grouped_logp(model, r.prompt_ids[::group], r.prompt_mask[::group], r.completion_ids,
-                                r.completion_mask, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
-        return rows_logp(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                         temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
+        return _rows_stats(_merged(graphdef, params, frozen), r.prompt_ids, r.prompt_mask, r.completion_ids,
+                           r.completion_mask, group, cfg)
 
     def grads_fn(params, batch: Batch, see_view, key, probe_index=0, frozen=None):
         P, G = batch.num_prompts, batch.num_generations
@@ -354,16 +364,10 @@ def make_logp_fn(graphdef, grpo_config: Optional[GRPOConfig] = None, micro_batch
         R = rows.rewards.shape[0]
         mb = R if micro_batch_size == 0 else min(micro_batch_size, R)
         f = _split(rows, mb)
-        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-        G = batch.num_generations
-        opts = dict(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)
-        if mb % G == 0:   # micro-batches of whole groups: each prompt computed once
-            model_fn = lambda x: grouped_logp(model, x["prompt_ids"][::G], x["prompt_mask"][::G],
-                                              x["completion_ids"], x["completion_mask"], **opts)[0]
-        else:
-            model_fn = lambda x: rows_logp(model, x["prompt_ids"], x["prompt_mask"], x["completion_ids"],
-                                           x["completion_mask"], **opts)[0]
-        lp = jax.lax.map(model_fn, f)
+        model, G = _merged(graphdef, params, frozen), batch.num_generations
+        group = G if mb % G == 0 else 1   # micro-batches of whole groups: each prompt computed once
+        lp = jax.lax.map(lambda x: _rows_stats(model, x["prompt_ids"], x["prompt_mask"], x["completion_ids"],
+                                               x["completion_mask"], group, cfg)[0], f)
         return lp.reshape((-1,) + lp.shape[2:])[:R]
 
     return logps

@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles hundreds of small, different XLA programs and runs most for milliseconds: LLVM at -O0
+# halves XLA:CPU's compile time (the HLO passes, hence the programs and their numerics, are unchanged).
+# Child processes inherit it. Set --xla_backend_optimization_level yourself to test another level.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the tests import benchmarks/ (soak: tiny configs, fault rewards, child runs)
     sys.path.insert(0, str(REPO))

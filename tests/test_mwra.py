@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from benchmarks import soak
 from mrl_jax import mwra
 from mrl_jax.mwra import allocate, plan, proportional_split
 
@@ -275,15 +276,6 @@ def test_initialize_distributed_validation(clean_env):
 
 
 # ---------------------------------------------------------------- subprocesses with forced CPU devices
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
-
-
 def _last_json(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     assert lines, f"worker printed no JSON:\n{stdout[-2000:]}"
@@ -292,7 +284,7 @@ def _last_json(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def local8():
-    r = subprocess.run([sys.executable, str(WORKER), "local"], env=_env(8), capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(WORKER), "local"], env=soak.forced_devices_env(8), capture_output=True, text=True,
                        timeout=240, cwd=REPO)
     assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-4000:]}"
     return _last_json(r.stdout)
@@ -335,7 +327,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_jax_distributed():
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)], env=_env(2),
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)], env=soak.forced_devices_env(2),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for i in range(2)]
     outs = []

@@ -104,8 +104,7 @@ def test_config_rules_and_padding():
 
 # ------------------------------------------------------------------ forced devices (subprocesses)
 def _worker(mode: str, root: Path, devices: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    env = dict(soak.forced_devices_env(devices), **soak.compile_cache_env())
     proc = subprocess.run([sys.executable, str(WORKER), mode, str(root)], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -195,8 +194,7 @@ def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
     from mrl_jax.trainer.checkpoint import RunCheckpointer
 
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    env = dict(soak.forced_devices_env(4), **soak.compile_cache_env())
     procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(tmp_path), str(i), str(port)], env=env,
                               cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
