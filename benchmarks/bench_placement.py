@@ -62,15 +62,16 @@ train(soak.to_run_config(cfg), sys.argv[1], progress=False)
 
 
 def _round_figures(out: Path) -> dict:
+    from mrl_jax.trainer.round import ROUND_PHASES
+
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     by_round: dict = {}
     for r in rows:
         by_round.setdefault(r["round"], []).append(r)
-    phases = ("rollout", "decode", "rewards", "see", "thl", "stage", "update")
     totals, stage, read = [], [], []
     for k in sorted(by_round)[1:]:   # round 0 compiles
         rs = by_round[k]
-        t = sum(rs[0].get(f"time/{p}", 0.0) for p in phases)
+        t = sum(rs[0].get(f"time/{p}", 0.0) for p in ROUND_PHASES)
         totals.append(t)
         stage.append(rs[0].get("time/stage", 0.0) / t)
         read.append(sum(r["time/rollout_ready"] - r["time/rollout_read"] for r in rs) / t)

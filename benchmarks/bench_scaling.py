@@ -33,7 +33,7 @@ SETTINGS = {
     True: dict(prompts=8, new_tokens=16, warmup=1, timed=2, policies=(1, 2, 4), groups=(4, 8, 16)),
     False: dict(prompts=32, new_tokens=32, warmup=1, timed=3, policies=(1, 2, 4), groups=(4, 8, 16)),
 }
-PHASES = ("rollout", "decode", "rewards", "see", "thl", "update")
+PHASES = ("rollout", "decode", "rewards", "see", "views", "thl", "update")
 
 
 def _config(num_policies: int, G: int, s: dict):

@@ -26,7 +26,7 @@ from mrl_jax.trainer.config import (ModelSpec, OptimizerSpec, PolicySpec, RunCon
 from mrl_jax.trainer.evaluation import evaluate_policy
 from mrl_jax.trainer.loop import Run, Trainer
 from mrl_jax.trainer.policy import PolicyState, param_count
-from mrl_jax.trainer.round import RunState
+from mrl_jax.trainer.round import ROUND_PHASES, RunState
 
 DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "sgt+replay")
 COUNTERS = ("frac_reward_zero_std", "sgt/rows_fired", "prp/ess", "xgrpo/adv_on_peer_solved", "replay/rows")
@@ -291,7 +291,7 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
     summary["probes"] = _summarise(results, names)
     summary["round_time_split_s"] = {
         k: float(np.mean([h[names[0]][f"time/{k}"] for p in probes for r in results[p] for h in r["history"]]))
-        for k in ("rollout", "decode", "rewards", "see", "thl", "update")}
+        for k in ROUND_PHASES}
     summary["verdict"] = _verdict(summary, names)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     summary["periodic_eval"] = _eval_cost(results, s, summary["wall_s"])

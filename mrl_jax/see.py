@@ -310,7 +310,7 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
     prompt_slot; source; reward; truncated) and lists (texts, src_ids, src_logp) over the filled slots
     in slot order (``filled`` = their slot indices).
     """
-    ro, su = jax.device_get(see.rollouts), jax.device_get(see.successes)
+    ro, su = jax.device_get((see.rollouts, see.successes))   # a host SEE (numpy leaves) passes through
     lr = np.asarray(see.stats.latest_round)
     P, K = len(prompt_ids), k_rollouts + k_successes + k_own
     S = P * K
@@ -318,14 +318,16 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
            "kind": np.full(S, EMPTY, np.int32), "prompt_slot": np.repeat(np.arange(P, dtype=np.int32), K),
            "source": np.full(S, -1, np.int32), "reward": np.zeros(S, np.float32),
            "truncated": np.zeros(S, bool), "texts": [], "src_ids": [], "src_logp": [], "filled": []}
+    latest = lr[np.clip(ro.prompt_id, 0, lr.shape[0] - 1), np.clip(ro.source, 0, lr.shape[1] - 1)]
+    in_table = (ro.prompt_id >= 0) & (ro.prompt_id < lr.shape[0])
+    peer_ro = _by_prompt(ro, ro.valid & (ro.source != consumer) & (~in_table | (ro.round == latest)))
+    peer_su = _by_prompt(su, su.valid & (su.source != consumer))
+    own_su = _by_prompt(su, su.valid & (su.source == consumer))
+    none = np.zeros(0, np.int64)
     for p, pid in enumerate(prompt_ids):
-        m = ro.valid & (ro.prompt_id == pid) & (ro.source != consumer)
-        if 0 <= pid < lr.shape[0]:
-            m &= ro.round == lr[pid, np.clip(ro.source, 0, lr.shape[1] - 1)]
-        chosen = [(0, i) for i in _round_robin(ro, np.nonzero(m)[0])[:k_rollouts]]
+        chosen = [(0, i) for i in _round_robin(ro, peer_ro.get(int(pid), none))[:k_rollouts]]
         seen = {(int(ro.source[i]), int(ro.text_hash[i]), int(ro.text_len[i])) for _, i in chosen}
-        ms = su.valid & (su.prompt_id == pid) & (su.source != consumer)
-        sidx = np.nonzero(ms)[0]
+        sidx = peer_su.get(int(pid), none)
         n_s = 0
         for i in sidx[np.argsort(-su.stamp[sidx], kind="stable")]:
             if n_s >= k_successes:
@@ -335,8 +337,7 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
                 seen.add(key)
                 chosen.append((1, int(i)))
                 n_s += 1
-        mo = su.valid & (su.prompt_id == pid) & (su.source == consumer)
-        oidx = np.nonzero(mo)[0]
+        oidx = own_su.get(int(pid), none)
         chosen += [(2, int(i)) for i in oidx[np.argsort(-su.stamp[oidx], kind="stable")][:k_own]]
         for k, (tab, i) in enumerate(chosen):
             s = p * K + k
@@ -350,6 +351,15 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
             out["src_logp"].append(np.asarray(rec.src_logp[i][: rec.src_len[i]]))
             out["filled"].append(s)
     return out
+
+
+def _by_prompt(rec, keep: np.ndarray) -> dict[int, np.ndarray]:
+    """{prompt id: the kept record indices of that prompt, ascending}: one pass over the buffer, so each
+    batch prompt looks only at its own records."""
+    idx = np.nonzero(keep)[0]
+    idx = idx[np.argsort(rec.prompt_id[idx], kind="stable")]
+    pids, starts = np.unique(rec.prompt_id[idx], return_index=True)
+    return dict(zip(pids.tolist(), np.split(idx, starts[1:])))
 
 
 def _round_robin(rec, idx: np.ndarray) -> list[int]:
@@ -439,31 +449,55 @@ def make_view(sel: dict, aligned: ViewAlignment, *, consumer: int, stats: np.nda
     cvalid = np.zeros((S, C), bool)
     trunc = np.asarray(sel["truncated"], bool).copy()
     kind = np.asarray(sel["kind"], np.int32).copy()
-    for m, s in enumerate(sel["filled"]):
-        n = int(aligned.dst_len[m])
-        d_ids, d_ch = aligned.dst_ids[m, :n], aligned.dst_chunk[m, :n]
-        if eos_id is not None and not trunc[s]:
-            d_ids, d_ch = np.append(d_ids, eos_id), np.append(d_ch, -1)
-        if len(d_ids) > Tc:
-            trunc[s] = True
-            d_ids, d_ch = d_ids[:Tc], d_ch[:Tc]
-        L = len(d_ids)
-        ids[s, :L], mask[s, :L] = d_ids, 1.0
-        dchunk[s, :L] = np.where((d_ch >= 0) & (d_ch < C), d_ch, -1)
-        lp = np.asarray(sel["src_logp"][m], np.float32)
-        sc = aligned.src_chunk[m, :len(lp)]
+    f = np.asarray(sel["filled"], np.int64)
+    if f.size:
+        ids[f], dchunk[f], L = _slot_tokens(aligned, ~trunc[f] if eos_id is not None else None, Tc, C, pad_id,
+                                            eos_id)
+        mask[f] = np.arange(Tc)[None, :] < L[:, None]
+        trunc[f] |= L < aligned.dst_len + (~trunc[f] if eos_id is not None else 0)   # cut at Tc
+        kind[f[L == 0]] = EMPTY
+        sclp[f] = _chunk_logp(sel["src_logp"], aligned.src_chunk, C)
+        width = min(C, aligned.chunk_valid.shape[1])
+        cvalid[f, :width] = aligned.chunk_valid[:, :width]
+    view = SeeView(ids=ids, mask=mask, dst_chunk=dchunk, src_chunk_logp=sclp, chunk_valid=cvalid,
+                   rewards=np.asarray(sel["reward"], np.float32), source=np.asarray(sel["source"], np.int32),
+                   kind=kind, prompt_slot=np.asarray(sel["prompt_slot"], np.int32), truncated=trunc,
+                   peer_stats=np.asarray(stats, np.float32), consumer=np.asarray(consumer, np.int32),
+                   tau=np.asarray(tau, np.float32))
+    return jax.device_put(view)   # one transfer of every field
+
+
+def _slot_tokens(aligned: ViewAlignment, eos_row, Tc: int, C: int, pad_id: int, eos_id):
+    """The M aligned rows as view tokens: (ids int32[M, Tc], dst_chunk int32[M, Tc], length int[M]); rows with
+    ``eos_row`` get ``eos_id`` after their tokens (no chunk); cut at Tc; chunks >= C dropped (-1)."""
+    M, Td = aligned.dst_ids.shape
+    n = aligned.dst_len.astype(np.int64)
+    W = max(Td + 1, Tc)
+    pos = np.arange(W)[None, :]
+    ids = np.full((M, W), pad_id, np.int32)
+    ch = np.full((M, W), -1, np.int32)
+    ids[:, :Td] = np.where(pos[:, :Td] < n[:, None], aligned.dst_ids, pad_id)
+    ch[:, :Td] = np.where(pos[:, :Td] < n[:, None], aligned.dst_chunk, -1)
+    if eos_row is not None:
+        ids[np.nonzero(eos_row)[0], n[eos_row]] = eos_id
+        n = n + eos_row
+    L = np.minimum(n, Tc)
+    keep = pos[:, :Tc] < L[:, None]
+    return (np.where(keep, ids[:, :Tc], pad_id), np.where(keep & (ch[:, :Tc] < C), ch[:, :Tc], -1), L)
+
+
+def _chunk_logp(src_logp: Sequence[np.ndarray], src_chunk: np.ndarray, C: int) -> np.ndarray:
+    """f32[M, C]: each row's source-token log-probs summed per THL chunk (tokens without a chunk < C dropped)."""
+    M, Ts = src_chunk.shape
+    out = np.zeros((M, C), np.float32)
+    n = np.asarray([min(len(lp), Ts) for lp in src_logp], np.int64)
+    if n.sum():
+        rows = np.repeat(np.arange(M), n)
+        lp = np.concatenate([np.asarray(x, np.float32)[:k] for x, k in zip(src_logp, n)])
+        sc = src_chunk[np.arange(Ts)[None, :] < n[:, None]]
         keep = (sc >= 0) & (sc < C)
-        np.add.at(sclp[s], sc[keep], lp[: len(sc)][keep])
-        cv = aligned.chunk_valid[m, :C]
-        cvalid[s, : len(cv)] = cv
-        if L == 0:
-            kind[s] = EMPTY
-    return SeeView(ids=jnp.asarray(ids), mask=jnp.asarray(mask), dst_chunk=jnp.asarray(dchunk),
-                   src_chunk_logp=jnp.asarray(sclp), chunk_valid=jnp.asarray(cvalid),
-                   rewards=jnp.asarray(sel["reward"], jnp.float32), source=jnp.asarray(sel["source"], jnp.int32),
-                   kind=jnp.asarray(kind), prompt_slot=jnp.asarray(sel["prompt_slot"], jnp.int32),
-                   truncated=jnp.asarray(trunc), peer_stats=jnp.asarray(stats, jnp.float32),
-                   consumer=jnp.asarray(consumer, jnp.int32), tau=jnp.asarray(tau, jnp.float32))
+        np.add.at(out, (rows[keep], sc[keep]), lp[keep])
+    return out
 
 
 def build_view(see: SEE, consumer: int, prompt_ids: Sequence[int], align_batch: Callable, *,
@@ -471,7 +505,8 @@ def build_view(see: SEE, consumer: int, prompt_ids: Sequence[int], align_batch: 
                max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host convenience: select_peers -> align_batch(texts, sources, src_ids) -> make_view.
     ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns a ``ViewAlignment``
-    (called only when some slot is filled)."""
+    (called only when some slot is filled). ``see`` may be host-resident (``jax.device_get``: read it once for
+    several consumers)."""
     sel = select_peers(see, consumer, prompt_ids, k_rollouts, k_successes, k_own)
     srcs = [int(sel["source"][s]) for s in sel["filled"]]
     aligned = align_batch(sel["texts"], srcs, sel["src_ids"]) if sel["filled"] else ViewAlignment.identity([])

@@ -1,5 +1,7 @@
 """mrl_jax.see: capacity, eviction, de-duplication, purity, jit, one compile, stats and views."""
 import jax
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import numpy as np
 
 from mrl_jax import see as S
@@ -118,3 +120,100 @@ def test_latest_round_stats_and_view():
     np.testing.assert_allclose(view.src_chunk_logp[s_old, :3], -0.5)
     assert bool(view.chunk_valid[s_old, :3].all()) and not bool(view.chunk_valid[s_old, 3])
     assert int(view.kind[4]) == S.EMPTY and float(view.mask[4].sum()) == 0.0
+
+
+def _select_by_scan(see, consumer, prompt_ids, k_rollouts, k_successes, k_own):
+    """Reference: the per-prompt scan of the whole buffer (select_peers before its one-pass grouping)."""
+    ro, su = jax.device_get((see.rollouts, see.successes))
+    lr = np.asarray(see.stats.latest_round)
+    K = k_rollouts + k_successes + k_own
+    slots = []
+    for pid in prompt_ids:
+        m = ro.valid & (ro.prompt_id == pid) & (ro.source != consumer)
+        if 0 <= pid < lr.shape[0]:
+            m &= ro.round == lr[pid, np.clip(ro.source, 0, lr.shape[1] - 1)]
+        chosen = [(0, i) for i in S._round_robin(ro, np.nonzero(m)[0])[:k_rollouts]]
+        seen = {(int(ro.source[i]), int(ro.text_hash[i]), int(ro.text_len[i])) for _, i in chosen}
+        sidx = np.nonzero(su.valid & (su.prompt_id == pid) & (su.source != consumer))[0]
+        for i in sidx[np.argsort(-su.stamp[sidx], kind="stable")]:
+            key = (int(su.source[i]), int(su.text_hash[i]), int(su.text_len[i]))
+            if sum(t == 1 for t, _ in chosen) < k_successes and key not in seen:
+                seen.add(key)
+                chosen.append((1, int(i)))
+        oidx = np.nonzero(su.valid & (su.prompt_id == pid) & (su.source == consumer))[0]
+        chosen += [(2, int(i)) for i in oidx[np.argsort(-su.stamp[oidx], kind="stable")][:k_own]]
+        slots.append(chosen + [(-1, -1)] * (K - len(chosen)))
+    return [s for row in slots for s in row]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2), st.sampled_from(["a", "b", "ab", "c"]),
+                          st.sampled_from([0.0, 1.0])), min_size=1, max_size=40),
+       st.lists(st.integers(-1, 6), min_size=1, max_size=6), st.integers(0, 2), st.integers(0, 3),
+       st.integers(0, 2), st.integers(0, 2), st.integers(2, 3))
+def test_select_peers_equals_the_per_prompt_scan(entries, prompt_ids, consumer, k_r, k_s, k_o, rounds):
+    """The one-pass grouping by prompt picks the same records, in the same slots, as scanning the whole
+    buffer for every batch prompt (ring eviction, repeats, successes, out-of-table prompt ids)."""
+    buf = S.init(16, 16, 8, num_policies=3, num_prompts=5, per_prompt_cap=4, success_capacity=8, tau=1.0)
+    for rnd in range(rounds):
+        part = entries[rnd::rounds]
+        if part:
+            buf, _ = _add(buf, _exp([t for _, _, t, _ in part], [p for p, _, _, _ in part],
+                                    [s for _, s, _, _ in part], [r for *_, r in part], rnd=rnd))
+    sel = S.select_peers(buf, consumer, prompt_ids, k_r, k_s, k_o)
+    want = _select_by_scan(buf, consumer, prompt_ids, k_r, k_s, k_o)
+    assert [(int(t), int(i)) for t, i in zip(sel["table"], sel["index"])] == [(min(t, 1), i) for t, i in want]
+    assert list(sel["kind"]) == [(S.EMPTY, S.PEER, S.ARCHIVE, S.OWN_ARCHIVE)[t + 1] for t, _ in want]
+
+
+def _view_by_rows(sel, aligned, Tc, C, pad_id, eos_id):
+    """Reference: make_view's token fields built slot by slot (before the vectorised build)."""
+    S_ = len(sel["kind"])
+    ids, mask = np.full((S_, Tc), pad_id, np.int32), np.zeros((S_, Tc), np.float32)
+    dchunk, sclp = np.full((S_, Tc), -1, np.int32), np.zeros((S_, C), np.float32)
+    trunc, kind = np.asarray(sel["truncated"], bool).copy(), np.asarray(sel["kind"], np.int32).copy()
+    for m, s in enumerate(sel["filled"]):
+        n = int(aligned.dst_len[m])
+        d_ids, d_ch = aligned.dst_ids[m, :n], aligned.dst_chunk[m, :n]
+        if eos_id is not None and not trunc[s]:
+            d_ids, d_ch = np.append(d_ids, eos_id), np.append(d_ch, -1)
+        if len(d_ids) > Tc:
+            trunc[s], d_ids, d_ch = True, d_ids[:Tc], d_ch[:Tc]
+        ids[s, :len(d_ids)], mask[s, :len(d_ids)] = d_ids, 1.0
+        dchunk[s, :len(d_ids)] = np.where((d_ch >= 0) & (d_ch < C), d_ch, -1)
+        lp = np.asarray(sel["src_logp"][m], np.float32)
+        sc = aligned.src_chunk[m, :len(lp)]
+        keep = (sc >= 0) & (sc < C)
+        np.add.at(sclp[s], sc[keep], lp[: len(sc)][keep])
+        if len(d_ids) == 0:
+            kind[s] = S.EMPTY
+    return dict(ids=ids, mask=mask, dst_chunk=dchunk, src_chunk_logp=sclp, truncated=trunc, kind=kind)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 6), st.booleans()), min_size=0, max_size=6),
+       st.integers(1, 6), st.integers(1, 5), st.sampled_from([None, 9]), st.integers(0, 2**31 - 1))
+def test_make_view_equals_the_slot_by_slot_build(rows, Tc, C, eos_id, seed):
+    """Vectorised make_view: the same tokens, masks, chunks, chunk log-prob sums, truncation and kinds as
+    building every filled slot on its own (EOS appended or not, cut at Tc, chunks >= C dropped, empty rows)."""
+    rng = np.random.default_rng(seed)
+    M, S_ = len(rows), 2 * len(rows) + 1
+    filled = sorted(rng.choice(S_, M, replace=False).tolist())
+    Td, Ts = max([n for n, _, _ in rows] + [1]), max([k for _, k, _ in rows] + [1])
+    dst_ids = rng.integers(1, 50, (M, Td)).astype(np.int32)
+    dst_chunk = rng.integers(-1, 7, (M, Td)).astype(np.int32)
+    src_chunk = rng.integers(-1, 7, (M, Ts)).astype(np.int32)
+    for m, (n, k, _) in enumerate(rows):
+        dst_ids[m, n:], dst_chunk[m, n:], src_chunk[m, k:] = 0, -1, -1
+    aligned = S.ViewAlignment(dst_ids=dst_ids, dst_chunk=dst_chunk, src_chunk=src_chunk,
+                              chunk_valid=rng.random((M, 7)) < 0.5, dst_len=np.array([n for n, _, _ in rows], np.int32))
+    trunc = np.zeros(S_, bool)
+    trunc[filled] = [t for _, _, t in rows]
+    sel = {"kind": np.where(np.isin(np.arange(S_), filled), S.PEER, S.EMPTY), "filled": filled,
+           "truncated": trunc, "reward": np.zeros(S_), "source": np.zeros(S_, np.int32),
+           "prompt_slot": np.zeros(S_, np.int32),
+           "src_logp": [rng.normal(-1, 0.5, k + int(rng.integers(0, 3))).astype(np.float32) for _, k, _ in rows]}
+    view = S.make_view(sel, aligned, consumer=0, stats=np.zeros((1, 2, 4)), max_completion_len=Tc, max_chunks=C,
+                       pad_id=3, eos_id=eos_id)
+    for k, v in _view_by_rows(sel, aligned, Tc, C, 3, eos_id).items():
+        np.testing.assert_array_equal(np.asarray(getattr(view, k)), v, err_msg=k)

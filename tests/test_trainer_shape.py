@@ -8,6 +8,7 @@ compile cache as in tests/test_trainer.py.
 """
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -153,3 +154,33 @@ def test_view_alignment_from_batches_puts_each_source_s_rows_in_place():
         assert va.src_chunk[row, :w].tolist() == src.src_chunk[k].tolist() and (va.src_chunk[row, w:] == -1).all()
         c = src.chunk_valid.shape[1]
         assert va.chunk_valid[row, :c].tolist() == src.chunk_valid[k].tolist() and not va.chunk_valid[row, c:].any()
+
+
+def test_phase_timer_counts_an_inner_phase_once(monkeypatch):
+    """views 0..10 s holds two thl alignments of 2 s and 3 s: views 5 s, thl 5 s, the phases add up to the
+    10 s of wall time; a phase that did not run is reported as 0."""
+    from mrl_jax.trainer import round as round_mod
+
+    clock = iter([0.0, 1.0, 3.0, 4.0, 7.0, 10.0])
+    monkeypatch.setattr(round_mod.time, "perf_counter", lambda: next(clock))
+    timer = round_mod.PhaseTimer(("views", "thl", "update"))
+    with timer("views"):
+        with timer("thl"):
+            pass
+        with timer("thl"):
+            pass
+    assert timer.times == {"views": 5.0, "thl": 5.0, "update": 0.0}
+
+
+def test_round_metrics_split_views_from_thl(tmp_path):
+    """Every round reports every phase (round-level wall times, the same in each policy's row); a consumer
+    with peers spends part of the views phase in THL, counted under ``thl`` only."""
+    cfg = soak.to_run_config(soak.tiny_config(rounds=2, **{"policies.0.probes": "prp", "policies.1.probes": "none"}))
+    from mrl_jax.trainer.round import ROUND_PHASES
+
+    train(cfg, tmp_path / "run", progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert {r["round"] for r in rows} == {0, 1} and len(rows) == 4
+    for r in rows:
+        assert all(r[f"time/{p}"] >= 0.0 for p in ROUND_PHASES)
+        assert r["time/thl"] > 0.0 and r["time/views"] > 0.0   # round-level phases: the prp consumer aligns

@@ -66,17 +66,29 @@ class RoundInputs:
 _see_add = jax.jit(see_lib.add)
 
 
-class PhaseTimer:
-    """Wall time per phase of a round (seconds)."""
+ROUND_PHASES = ("rollout", "decode", "rewards", "see", "views", "thl", "stage", "update")
 
-    def __init__(self):
-        self.times: dict[str, float] = {}
+
+class PhaseTimer:
+    """Wall time per phase of a round (seconds). Phases nest exclusively: time spent in an inner phase counts
+    for the inner phase only (the ``thl`` alignments inside ``views``), so the phases add up to the round."""
+
+    def __init__(self, phases: Sequence[str] = ()):
+        self.times: dict[str, float] = dict.fromkeys(phases, 0.0)   # reported even when a phase did not run
+        self._inner: list[float] = []   # per open phase: seconds its inner phases took
 
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
-        yield
-        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - t0
+            inner = self._inner.pop()
+            self.times[phase] = self.times.get(phase, 0.0) + took - inner
+            if self._inner:
+                self._inner[-1] += took
 
 
 @dataclasses.dataclass
@@ -100,17 +112,18 @@ class _Lane:
     stamps: dict = dataclasses.field(default_factory=dict)   # seconds since the round began
 
 
-def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list):
+def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list, timer: PhaseTimer):
     """``align_batch(texts, sources, src_ids) -> see.ViewAlignment`` for ``see.build_view``: one THL
-    ``align_batch`` per source tokenizer (its metrics appended to ``thl_metrics``)."""
+    ``align_batch`` per source tokenizer (its metrics appended to ``thl_metrics``), timed as phase ``thl``."""
 
     def align(texts, sources, src_ids) -> see_lib.ViewAlignment:
         sources = np.asarray(sources)
         parts = []
         for j in np.unique(sources):
             rows = np.nonzero(sources == j)[0]
-            ba = thl.align_batch([texts[m] for m in rows], policies[int(j)].tokenizer, consumer.tokenizer,
-                                 [src_ids[m] for m in rows], max_chunks=max_chunks)
+            with timer("thl"):
+                ba = thl.align_batch([texts[m] for m in rows], policies[int(j)].tokenizer, consumer.tokenizer,
+                                     [src_ids[m] for m in rows], max_chunks=max_chunks)
             thl_metrics.append(ba.metrics)
             parts.append((rows, ba))
         return see_lib.ViewAlignment.from_batches(len(texts), parts)
@@ -196,14 +209,15 @@ def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
     return see
 
 
-def _views(see, lanes: Sequence[_Lane], dense_ids: np.ndarray) -> None:
-    """Each consumer's SEE view: THL-aligned peer rows when its probe needs peers, else an empty view."""
-    policies = [ln.pol for ln in lanes]
+def _views(see, lanes: Sequence[_Lane], dense_ids: np.ndarray, timer: PhaseTimer) -> None:
+    """Each consumer's SEE view: THL-aligned peer rows when its probe needs peers, else an empty view. The
+    SEE is read to the host once for every consumer."""
+    policies, see = [ln.pol for ln in lanes], jax.device_get(see)
     for ln in lanes:
         pol, vs, Tc = ln.pol, ln.pol.view_shape, ln.pol.completion_length
         if pol.probe.needs_peers:
             ln.view = see_lib.build_view(
-                see, pol.index, dense_ids, _aligner(pol, policies, Tc, ln.thl), k_rollouts=vs.peer_rollouts,
+                see, pol.index, dense_ids, _aligner(pol, policies, Tc, ln.thl, timer), k_rollouts=vs.peer_rollouts,
                 k_successes=vs.peer_successes, k_own=vs.own_successes, max_completion_len=Tc, max_chunks=Tc,
                 pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
         else:
@@ -283,7 +297,7 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around the device parts (rollout and
     update dispatch); every transfer there is an explicit ``mwra.put``.
     """
-    timer, t0 = PhaseTimer(), time.perf_counter()
+    timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts = list(inputs.prompts)
     lanes = [_Lane(pol=pol, ps=ps) for pol, ps in zip(policies, state.policies)]
@@ -299,8 +313,8 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
             ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts)
     with timer("see"):
         see = _add_experience(state.see, lanes, inputs)
-    with timer("thl"):
-        _views(see, lanes, inputs.dense_ids)
+    with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"
+        _views(see, lanes, inputs.dense_ids, timer)
     with timer("stage"):
         _stage(lanes, keys)
     with timer("update"):
