@@ -311,8 +311,8 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     with timer("rewards"):
         for ln in lanes:
             ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts)
-    with timer("see"):
-        see = _add_experience(state.see, lanes, inputs)
+    with timer("see"):   # ready before the phase ends: the views read it at once, and its time is the SEE's
+        see = jax.block_until_ready(_add_experience(state.see, lanes, inputs))
     with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"
         _views(see, lanes, inputs.dense_ids, timer)
     with timer("stage"):
