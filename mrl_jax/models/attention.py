@@ -188,38 +188,61 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
         cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
         cache = KVCache(k=ck, v=cv)
         k, v = ck[layer], cv[layer]
+    return _attend(q, k, v, mask, scale), cache
+
+
+# Every score matmul below is a dot_general with batch dims (K, rows) leading and the queries' (T, g) as one
+# free dim, so its output is already in the [K, rows, T, g, S] layout the mask, softmax and the second matmul
+# read: no transposed copy of a score-sized array, forward or backward (only the small q/k/v/out are moved).
+_QK = (((3,), (3,)), ((0, 1), (0, 1)))    # [K, R, Q, D] x [K, R, S, D] -> [K, R, Q, S]
+_PV = (((3,), (2,)), ((0, 1), (0, 1)))    # [K, R, Q, S] x [K, R, S, D] -> [K, R, Q, D]
+
+
+def _kv_heads_major(x, dtype):
+    """[R, S, K, D] -> [K, R, S, D] in ``dtype``."""
+    return x.transpose(2, 0, 1, 3).astype(dtype)
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B, T, H, D], k/v [B, S, K, D], mask bool[B, T, S] -> [B, T, H, D]; float32 scores and softmax."""
     B, T, H, D = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, H // K, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores * scale, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(q.dtype))
-    return out.reshape(B, T, H, D), cache
+    K, S = k.shape[2], k.shape[1]
+    g = H // K
+    qh = q.reshape(B, T, K, g, D).transpose(2, 0, 1, 3, 4).reshape(K, B, T * g, D)
+    s = jax.lax.dot_general(qh, _kv_heads_major(k, q.dtype), _QK, preferred_element_type=jnp.float32)
+    s = jnp.where(mask[None, :, :, None, :], s.reshape(K, B, T, g, S) * scale, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype).reshape(K, B, T * g, S)
+    o = jax.lax.dot_general(p, _kv_heads_major(v, q.dtype), _PV).reshape(K, B, T, g, D)
+    return o.transpose(1, 2, 0, 3, 4).reshape(B, T, H, D)
 
 
 def _attend_prefix(q, k, v, mask: PrefixMask, scale):
     """Attention of the prompt-shared layout (see PrefixMask): q [1, N, H, D], k, v [1, N, K, D].
 
-    Prompts attend causally within themselves; completion b = p*M + m attends to prompt p's keys and to its
-    own earlier tokens through one float32 softmax, which equals attention over [prompt ++ completion].
+    Prompts attend causally within themselves; completion b = p*M + m attends to prompt p's keys [K, P, Tp, D]
+    and to its own earlier tokens [K, B, Tc, D]. The two score blocks share one float32 softmax (a common max
+    and normaliser, no concatenated copy), which equals attention over [prompt ++ completion].
     """
     P, Tp = mask.prompt.shape[:2]
     B, Tc = mask.completion.shape[:2]
     H, K, D = q.shape[2], k.shape[2], q.shape[3]
-    M, g, n = B // P, H // K, P * Tp
-    out_p, _ = attention(q[0, :n].reshape(P, Tp, H, D), k[0, :n].reshape(P, Tp, K, D),
-                         v[0, :n].reshape(P, Tp, K, D), mask.prompt, scale=scale)
-    pk, pv = k[0, :n].reshape(P, Tp, K, D).astype(q.dtype), v[0, :n].reshape(P, Tp, K, D).astype(q.dtype)
-    qc = q[0, n:].reshape(P, M, Tc, K, g, D)
-    kc, vc = k[0, n:].reshape(B, Tc, K, D).astype(q.dtype), v[0, n:].reshape(B, Tc, K, D).astype(q.dtype)
-    sp = jnp.einsum("pmtkgd,pskd->pmkgts", qc, pk, preferred_element_type=jnp.float32)
-    sp = jnp.where(mask.to_prompt[:, :, None, None], sp * scale, _NEG).reshape(B, K, g, Tc, Tp)
-    sc = jnp.einsum("btkgd,bskd->bkgts", qc.reshape(B, Tc, K, g, D), kc, preferred_element_type=jnp.float32)
-    sc = jnp.where(mask.completion[:, None, None], sc * scale, _NEG)
-    probs = jax.nn.softmax(jnp.concatenate([sp, sc], axis=-1), axis=-1).astype(q.dtype)
-    oc = jnp.einsum("pmkgts,pskd->pmtkgd", probs[..., :Tp].reshape(P, M, K, g, Tc, Tp), pv).reshape(B, Tc, H, D)
-    oc = oc + jnp.einsum("bkgts,bskd->btkgd", probs[..., Tp:], vc).reshape(B, Tc, H, D)
+    M, g, n, dt = B // P, H // K, P * Tp, q.dtype
+    out_p = _attend(q[0, :n].reshape(P, Tp, H, D), k[0, :n].reshape(P, Tp, K, D),
+                    v[0, :n].reshape(P, Tp, K, D), mask.prompt, scale)
+    qc = q[0, n:].reshape(P, M, Tc, K, g, D).transpose(3, 0, 1, 2, 4, 5)     # [K, P, M, Tc, g, D]
+    pk, pv = (_kv_heads_major(x[0, :n].reshape(P, Tp, K, D), dt) for x in (k, v))
+    kc, vc = (_kv_heads_major(x[0, n:].reshape(B, Tc, K, D), dt) for x in (k, v))
+    sp = jax.lax.dot_general(qc.reshape(K, P, M * Tc * g, D), pk, _QK, preferred_element_type=jnp.float32)
+    sp = jnp.where(mask.to_prompt[None, :, :, :, None], sp.reshape(K, P, M, Tc, g, Tp) * scale, _NEG)
+    sc = jax.lax.dot_general(qc.reshape(K, B, Tc * g, D), kc, _QK, preferred_element_type=jnp.float32)
+    cm = mask.completion.reshape(P, M, Tc, Tc)[None, :, :, :, None]
+    sc = jnp.where(cm, sc.reshape(K, P, M, Tc, g, Tc) * scale, _NEG)
+    mx = jax.lax.stop_gradient(jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True)))
+    ep, ec = jnp.exp(sp - mx), jnp.exp(sc - mx)
+    z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
+    op = jax.lax.dot_general((ep / z).astype(dt).reshape(K, P, M * Tc * g, Tp), pv, _PV)
+    oc = jax.lax.dot_general((ec / z).astype(dt).reshape(K, B, Tc * g, Tc), vc, _PV)
+    oc = (op.reshape(K, B, Tc, g, D) + oc.reshape(K, B, Tc, g, D)).transpose(1, 2, 0, 3, 4)
     return jnp.concatenate([out_p.reshape(n, H, D), oc.reshape(B * Tc, H, D)], 0)[None]
 
 
