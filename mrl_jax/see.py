@@ -451,10 +451,10 @@ def make_view(sel: dict, aligned: ViewAlignment, *, consumer: int, stats: np.nda
     kind = np.asarray(sel["kind"], np.int32).copy()
     f = np.asarray(sel["filled"], np.int64)
     if f.size:
-        ids[f], dchunk[f], L = _slot_tokens(aligned, ~trunc[f] if eos_id is not None else None, Tc, C, pad_id,
-                                            eos_id)
+        eos_row = ~trunc[f] if eos_id is not None else None   # a finished source row ends with the EOS
+        ids[f], dchunk[f], L = _slot_tokens(aligned, eos_row, Tc, C, pad_id, eos_id)
         mask[f] = np.arange(Tc)[None, :] < L[:, None]
-        trunc[f] |= L < aligned.dst_len + (~trunc[f] if eos_id is not None else 0)   # cut at Tc
+        trunc[f] |= L < aligned.dst_len + (0 if eos_row is None else eos_row)   # cut at Tc
         kind[f[L == 0]] = EMPTY
         sclp[f] = _chunk_logp(sel["src_logp"], aligned.src_chunk, C)
         width = min(C, aligned.chunk_valid.shape[1])
