@@ -223,35 +223,3 @@ def test_hidden_prefix_equals_the_repeated_prompt_rows_with_gradients(family, ex
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):   # 1e-5 of the leaf's scale (summation order)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
-
-
-def test_project_fuses_plain_linears_at_few_rows_and_equals_each_layer():
-    """``layers.project``: at <= FUSE_MAX_ROWS rows one matmul over the concatenated weights (biases on some
-    layers only), equal to each layer's own output; more rows, or a LoRA-wrapped layer, run per layer, and
-    the adapter's delta is kept."""
-    from mrl_jax.models import layers
-    from mrl_jax.models.lora import LoRALinear
-    cfg = tiny_config("qwen2", V)
-    rngs = nnx.Rngs(0)
-    lins = (layers.Linear(16, 8, use_bias=True, cfg=cfg, rngs=rngs), layers.Linear(16, 4, use_bias=False, cfg=cfg, rngs=rngs),
-            layers.Linear(16, 12, use_bias=True, cfg=cfg, rngs=rngs))
-    rng = np.random.default_rng(0)
-    for m in lins:
-        if m.bias is not None:
-            m.bias[...] = jnp.asarray(rng.standard_normal(m.bias.shape), jnp.float32)
-
-    def n_dots(fn, x):
-        return str(jax.make_jaxpr(fn)(x)).count("dot_general")
-
-    for rows, fused in [(layers.FUSE_MAX_ROWS, True), (layers.FUSE_MAX_ROWS + 1, False)]:
-        x = jnp.asarray(rng.standard_normal((rows, 16)), jnp.float32)
-        outs = layers.project(x, lins)
-        for o, m in zip(outs, lins):
-            np.testing.assert_allclose(np.asarray(o), np.asarray(m(x)), rtol=1e-5, atol=1e-5)
-        assert n_dots(lambda x: layers.project(x, lins), x) == (1 if fused else 3)
-    lora = LoRALinear(lins[1], rank=2, alpha=4.0, rngs=nnx.Rngs(1))
-    lora.lora_b[...] = jnp.ones(lora.lora_b.shape, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
-    with_lora = layers.project(x, (lins[0], lora, lins[2]))
-    np.testing.assert_allclose(np.asarray(with_lora[1]), np.asarray(lora(x)), rtol=1e-5, atol=1e-5)
-    assert float(jnp.abs(with_lora[1] - lins[1](x)).max()) > 1e-3

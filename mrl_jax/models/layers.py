@@ -5,7 +5,6 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from .attention import KVCache, PrefixMask, SampleCache, default_positions, make_mask
@@ -41,27 +40,6 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
-
-
-# Up to this many input rows (a decode step's B x 1 tokens), parallel projections of one input run as ONE
-# matmul over their concatenated weights: at few rows a CPU matmul costs its dispatch, not its FLOPs
-# (generate at B 64: 16 % faster with q|k|v and gate|up fused). At more rows (prefill, the update) each runs
-# alone: the backward of a concatenated weight measured 8 % slower on the update.
-FUSE_MAX_ROWS = 256
-
-
-def project(x: jax.Array, linears: Tuple["Linear", ...]) -> Tuple[jax.Array, ...]:
-    """(x @ l.kernel (+ l.bias) for l in linears); x [R, din]. One fused matmul when R <= ``FUSE_MAX_ROWS``
-    and every layer is a plain :class:`Linear` (a LoRA-wrapped one keeps its own call, adapters included)."""
-    if x.shape[0] > FUSE_MAX_ROWS or any(type(m) is not Linear for m in linears):
-        return tuple(m(x) for m in linears)
-    dt = linears[0].dtype
-    y = dense(x.astype(dt), jnp.concatenate([m.kernel[...].astype(dt) for m in linears], axis=1))
-    if any(m.bias is not None for m in linears):
-        y = y + jnp.concatenate([(m.bias[...] if m.bias is not None else jnp.zeros(m.kernel.shape[1]))
-                                 .astype(dt) for m in linears])
-    ends = np.cumsum([m.kernel.shape[1] for m in linears])[:-1]
-    return tuple(jnp.split(y, ends, axis=1))
 
 
 class Embed(nnx.Module):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from .attention import apply_rope, attention, rope_cos_sin
 from .config import ModelConfig, rope_inv_freq
-from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense, project
+from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense
 
 
 class LlamaAttention(nnx.Module):
@@ -27,8 +27,9 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x, positions, mask, *, cache, layer, cache_index):
         B, T = positions.shape   # x: [B*T, D] rows
         h, k, hd = self.shape
-        q, kk, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
-        q, kk, v = q.reshape(B, T, h, hd), kk.reshape(B, T, k, hd), v.reshape(B, T, k, hd)
+        q = self.q_proj(x).reshape(B, T, h, hd)
+        kk = self.k_proj(x).reshape(B, T, k, hd)
+        v = self.v_proj(x).reshape(B, T, k, hd)
         cos, sin = rope_cos_sin(positions, jnp.asarray(self.inv_freq, jnp.float32))
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
         out, cache = attention(q, kk, v, mask, scale=hd ** -0.5, cache=cache, layer=layer,
@@ -45,8 +46,7 @@ class LlamaMLP(nnx.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x):
-        gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(activation(self.act)(gate) * up)
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaBlock(nnx.Module):
