@@ -32,7 +32,7 @@ Byte budget: a text longer than ``max_bytes`` is cut, marked ``truncated`` and n
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -400,32 +400,40 @@ class ViewAlignment:
         return int(self.dst_len.shape[0])
 
     @classmethod
-    def from_batches(cls, num_rows: int, parts: Sequence[tuple[np.ndarray, "BatchAlignment"]]) -> "ViewAlignment":
-        """Rows ``rows int[k]`` of the view from each ``thl.BatchAlignment`` (one per source tokenizer) in
-        ``parts = [(rows, batch), ...]``, padded to the widest batch; every row in ``0..num_rows-1`` once."""
-        width = lambda f: max([getattr(b, f).shape[1] for _, b in parts] + [1])
+    def from_batch(cls, batch: "BatchAlignment") -> "ViewAlignment":
+        """The rows of one ``thl.BatchAlignment``."""
+        return cls(dst_ids=batch.dst_ids, dst_chunk=batch.dst_chunk, src_chunk=batch.src_chunk,
+                   chunk_valid=batch.chunk_valid, dst_len=batch.dst_lengths)
+
+    @classmethod
+    def from_batches(cls, num_rows: int, parts: Sequence[tuple[np.ndarray, Any]]) -> "ViewAlignment":
+        """Rows ``rows int[k]`` of the view from each part of ``parts = [(rows, alignment), ...]`` (a
+        ``thl.BatchAlignment`` per source tokenizer, or a ``ViewAlignment`` such as :meth:`identity`), padded to
+        the widest part; every row in ``0..num_rows-1`` once."""
+        parts = [(rows, a if isinstance(a, cls) else cls.from_batch(a)) for rows, a in parts]
+        width = lambda f: max([getattr(a, f).shape[1] for _, a in parts] + [1])
         out = cls(dst_ids=np.zeros((num_rows, width("dst_ids")), np.int32),
                   dst_chunk=np.full((num_rows, width("dst_chunk")), -1, np.int32),
                   src_chunk=np.full((num_rows, width("src_chunk")), -1, np.int32),
                   chunk_valid=np.zeros((num_rows, width("chunk_valid")), bool), dst_len=np.zeros(num_rows, np.int32))
-        for rows, b in parts:
+        for rows, a in parts:
             for f in ("dst_ids", "dst_chunk", "src_chunk", "chunk_valid"):
-                getattr(out, f)[rows, :getattr(b, f).shape[1]] = getattr(b, f)
-            out.dst_len[rows] = b.dst_lengths
+                getattr(out, f)[rows, :getattr(a, f).shape[1]] = getattr(a, f)
+            out.dst_len[rows] = a.dst_len
         return out
 
     @classmethod
     def identity(cls, dst_ids: Sequence[Sequence[int]]) -> "ViewAlignment":
-        """A same-tokenizer exchange (each token its own valid chunk): for tests and policies sharing a tokenizer."""
-        M = len(dst_ids)
-        T = max([len(x) for x in dst_ids] + [1])
-        ids = np.zeros((M, T), np.int32)
-        ch = np.full((M, T), -1, np.int32)
-        for m, x in enumerate(dst_ids):
-            ids[m, :len(x)] = x
-            ch[m, :len(x)] = np.arange(len(x))
-        return cls(dst_ids=ids, dst_chunk=ch, src_chunk=ch.copy(), chunk_valid=ch >= 0,
-                   dst_len=np.array([len(x) for x in dst_ids], np.int32))
+        """A same-tokenizer exchange: the ids as they are, each token its own valid chunk (policies sharing a
+        tokenization, a policy's own replayed rows; tests)."""
+        n = np.fromiter((len(x) for x in dst_ids), np.int64, len(dst_ids))
+        pos = np.arange(max(int(n.max(initial=0)), 1))
+        keep = pos[None, :] < n[:, None]
+        ids = np.zeros(keep.shape, np.int32)
+        if n.sum():
+            ids[keep] = np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in dst_ids])
+        ch = np.where(keep, pos[None, :], -1).astype(np.int32)
+        return cls(dst_ids=ids, dst_chunk=ch, src_chunk=ch.copy(), chunk_valid=keep, dst_len=n.astype(np.int32))
 
 
 def make_view(sel: dict, aligned: ViewAlignment, *, consumer: int, stats: np.ndarray, max_completion_len: int,

@@ -396,6 +396,7 @@ class Tokenizer:
         self._cont_cfg: dict | bool | None = None
         self._lock = threading.Lock()
         self._table: ByteTable | None = None
+        self._fingerprint: str | None = None
 
     # -- basic properties
     @property
@@ -426,6 +427,15 @@ class Tokenizer:
         if "unk_id" in model:
             return "Unigram"
         return "WordLevel"
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the serialized tokenizer and its BOS/EOS/PAD ids: equal fingerprints mean the same ids
+        spell the same bytes, so token ids pass between the two unchanged (no THL)."""
+        if self._fingerprint is None:
+            ids = f"|{self.bos_id}|{self.eos_id}|{self.pad_id}"
+            self._fingerprint = hashlib.sha256((self._hf.to_str() + ids).encode()).hexdigest()
+        return self._fingerprint
 
     @property
     def byte_table(self) -> ByteTable:

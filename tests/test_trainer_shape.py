@@ -156,6 +156,42 @@ def test_view_alignment_from_batches_puts_each_source_s_rows_in_place():
         assert va.chunk_valid[row, :c].tolist() == src.chunk_valid[k].tolist() and not va.chunk_valid[row, c:].any()
 
 
+def test_rows_of_the_consumer_s_tokenization_keep_their_sampled_ids_and_the_others_go_through_thl(monkeypatch):
+    """The round's aligner: a source with the consumer's tokenization (the consumer itself; a second load of
+    the same tokenizer) shares its ids as sampled, even when they are not what encoding the text gives, and
+    costs no THL call; a source with another tokenizer gets exactly ``thl.align_batch``'s rows."""
+    import types
+
+    from mrl_jax import thl
+    from mrl_jax.tokenization import Tokenizer, train_tokenizer
+    from mrl_jax.trainer.round import PhaseTimer, _aligner
+
+    corpus = ["the cat sat", "a dog ran far", "cats and dogs"] * 20
+    bpe, uni = train_tokenizer("byte_bpe", corpus, 300), train_tokenizer("unigram", corpus, 300)
+    bpe_again = Tokenizer(type(bpe.hf).from_str(bpe.hf.to_str()), name="other", bos_id=bpe.bos_id,
+                          eos_id=bpe.eos_id, pad_id=bpe.pad_id)
+    assert bpe_again is not bpe and bpe_again.fingerprint == bpe.fingerprint != uni.fingerprint
+    # "the cat" sampled one byte-token at a time: not the encoding of its text
+    spelled = [t for ch in "the cat" for t in bpe.encode(ch, continuation=True)]
+    assert spelled != bpe.encode("the cat", continuation=True)
+    texts = ["the cat", "a dog ran far", "cats", "the cat"]
+    src_ids = [spelled, uni.encode(texts[1], continuation=True), bpe.encode("cats", continuation=True), spelled]
+    pols = [types.SimpleNamespace(tokenizer=t) for t in (bpe, uni, bpe_again)]
+    calls, metrics, real = [], [], thl.align_batch
+    monkeypatch.setattr(thl, "align_batch", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    va = _aligner(pols[0], pols, 16, metrics, PhaseTimer())(texts, [0, 1, 0, 2], src_ids)
+    assert calls == [(uni, bpe)] and len(metrics) == 1            # one THL call: the unigram peer
+    for row in (0, 2, 3):                                           # own rows and the same-tokenization peer
+        n = len(src_ids[row])
+        assert va.dst_len[row] == n and va.dst_ids[row, :n].tolist() == list(src_ids[row])
+        assert va.dst_chunk[row, :n].tolist() == list(range(n)) == va.src_chunk[row, :n].tolist()
+        assert va.chunk_valid[row, :n].all() and not va.chunk_valid[row, n:].any()
+    ba = real([texts[1]], uni, bpe, [src_ids[1]], max_chunks=16)
+    n = int(ba.dst_lengths[0])
+    assert va.dst_ids[1, :n].tolist() == ba.dst_ids[0, :n].tolist() and va.dst_len[1] == n
+    assert va.chunk_valid[1, :16].tolist() == ba.chunk_valid[0].tolist()
+
+
 def test_phase_timer_counts_an_inner_phase_once(monkeypatch):
     """views 0..10 s holds two thl alignments of 2 s and 3 s: views 5 s, thl 5 s, the phases add up to the
     10 s of wall time; a phase that did not run is reported as 0."""

@@ -113,7 +113,9 @@ class _Lane:
 
 
 def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list, timer: PhaseTimer):
-    """``align_batch(texts, sources, src_ids) -> see.ViewAlignment`` for ``see.build_view``: one THL
+    """``align_batch(texts, sources, src_ids) -> see.ViewAlignment`` for ``see.build_view``. Rows from a source
+    with the consumer's tokenization (its own replayed successes, a peer sharing its tokenizer) keep their
+    sampled ids (``ViewAlignment.identity``: re-encoding the text could change them); the others get one THL
     ``align_batch`` per source tokenizer (its metrics appended to ``thl_metrics``), timed as phase ``thl``."""
 
     def align(texts, sources, src_ids) -> see_lib.ViewAlignment:
@@ -121,8 +123,12 @@ def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_
         parts = []
         for j in np.unique(sources):
             rows = np.nonzero(sources == j)[0]
+            tok = policies[int(j)].tokenizer
+            if tok is consumer.tokenizer or tok.fingerprint == consumer.tokenizer.fingerprint:
+                parts.append((rows, see_lib.ViewAlignment.identity([src_ids[m] for m in rows])))
+                continue
             with timer("thl"):
-                ba = thl.align_batch([texts[m] for m in rows], policies[int(j)].tokenizer, consumer.tokenizer,
+                ba = thl.align_batch([texts[m] for m in rows], tok, consumer.tokenizer,
                                      [src_ids[m] for m in rows], max_chunks=max_chunks)
             thl_metrics.append(ba.metrics)
             parts.append((rows, ba))
