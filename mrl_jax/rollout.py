@@ -26,8 +26,9 @@ How it works (all on device, no host sync inside the loop):
   ``model.decode_step`` on ``[B, 1]`` per generated token, then samples.
   With an ``eos_id`` the loops are ``lax.while_loop``s that stop as soon as every row has emitted EOS
   (``stop_early=True``); otherwise fixed-trip ``lax.fori_loop``s.
-* randomness: the caller passes a fresh key per call; step ``i`` uses ``jax.random.fold_in(key, i)``,
-  so no key is ever used twice within a call.
+* randomness: the caller passes a fresh key per call; the uniforms of every step are drawn from it at once
+  (``uniform(key, [N, 2, B, 1])``, step ``i`` reads row ``i``), so no number is used twice within a call and the
+  decode step holds no PRNG work.
 
 Behaviour log-probs (``Rollout.logprobs``) -- which distribution (``SamplingConfig.logprobs_of``):
 
@@ -293,10 +294,16 @@ def _first_above(cum: jax.Array, u: jax.Array, mass: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """Exact sample from softmax(logits) over the last axis: int32[...] (``-inf`` logits never drawn).
 
-    Two-level inverse CDF: pick a block of 128 tokens by its mass, then a token inside the block,
-    with 2 uniforms per row. ``jax.random.categorical`` (Gumbel-max) needs one random number per
-    vocabulary entry; at [16, 8192] on CPU this is ~10x faster, and on GPU it reads [B, V] once.
+    Two-level inverse CDF (:func:`_inverse_cdf`) with 2 uniforms per row. ``jax.random.categorical``
+    (Gumbel-max) needs one random number per vocabulary entry; at [16, 8192] on CPU this is ~10x faster, and
+    on GPU it reads [B, V] once.
     """
+    return _inverse_cdf(jax.random.uniform(key, (2, *logits.shape[:-1], 1), jnp.float32), logits)
+
+
+def _inverse_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
+    """:func:`categorical` with its uniforms given, ``u: f32[2, ..., 1]`` in [0, 1): ``u[0]`` picks a block of
+    128 tokens by its mass, ``u[1]`` a token inside the block."""
     *lead, v = logits.shape
     nb = -(-v // _BLOCK)
     m = jnp.max(logits, axis=-1, keepdims=True)
@@ -306,13 +313,10 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     p = p.reshape(*lead, nb, _BLOCK)
     block_mass = jnp.sum(p, axis=-1)  # [..., nb]
     cb = jnp.cumsum(block_mass, axis=-1)
-    k1, k2 = jax.random.split(key)
-    u1 = jax.random.uniform(k1, (*lead, 1), jnp.float32) * cb[..., -1:]
-    blk = _first_above(cb, u1, block_mass)
+    blk = _first_above(cb, u[0] * cb[..., -1:], block_mass)
     pb = jnp.take_along_axis(p, blk[..., None, None], axis=-2)[..., 0, :]  # [..., BLOCK]
     cw = jnp.cumsum(pb, axis=-1)
-    u2 = jax.random.uniform(k2, (*lead, 1), jnp.float32) * cw[..., -1:]
-    return (blk * _BLOCK + _first_above(cw, u2, pb)).astype(jnp.int32)
+    return (blk * _BLOCK + _first_above(cw, u[1] * cw[..., -1:], pb)).astype(jnp.int32)
 
 
 def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
@@ -321,6 +325,12 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
     Order as in ``transformers``: temperature, then top-k, then top-p (on the renormalised top-k).
     logprobs follow ``config.logprobs_of`` (module docstring).
     """
+    u = None if config.is_greedy else jax.random.uniform(key, (2, logits.shape[0], 1), jnp.float32)
+    return _sample(logits, u, config)
+
+
+def _sample(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """:func:`sample_step` with the row's uniforms given (``u: f32[2, B, 1]``; None when greedy)."""
     logits = logits.astype(jnp.float32)
     if config.is_greedy:
         tok = _argmax(logits)
@@ -338,7 +348,7 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
             before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each (sorted) entry
             keep = (before < config.top_p).at[..., 0].set(True)
             vals = jnp.where(keep, vals, -jnp.inf)
-        choice = categorical(key, vals)
+        choice = _inverse_cdf(u, vals)
         tok = _take(idx, choice).astype(jnp.int32)
         filtered_lp = _logprob_at(vals, choice)
     else:
@@ -346,7 +356,7 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
         if config.top_p < 1.0:
             keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), config.top_p)
             filtered = jnp.where(keep, scaled, -jnp.inf)
-        tok = categorical(key, filtered)
+        tok = _inverse_cdf(u, filtered)
         filtered_lp = None if filtered is scaled else _logprob_at(filtered, tok)
 
     if config.logprobs_of == "raw":
@@ -386,11 +396,11 @@ def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):
     return tok, done, tokens, logps, out_mask
 
 
-def _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos):
+def _decode_loop(model, cache, carry, prompt_len, uniforms, config, pad, eos):
     """Decode steps 1..N-1, one loop per length bucket (the cache grows between them).
 
     carry: (tok [B], done [B], tokens/logps/out_mask [B, N]); step i feeds token i-1 at generated slot
-    i-1 and samples token i with ``fold_in(key, i)``. Returns the final carry.
+    i-1 and samples token i with ``uniforms[i]`` (f32[N, 2, B, 1]; None when greedy). Returns the final carry.
     """
     n = config.max_new_tokens
 
@@ -398,7 +408,8 @@ def _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos):
         cache, tok, done, tokens, logps, out_mask = state
         pos = (prompt_len + i - 1)[:, None]
         logits, cache = model.decode_step(tok[:, None], pos, cache, i - 1)
-        tok, lp = sample_step(logits[:, -1], jax.random.fold_in(key, i), config)
+        u = None if uniforms is None else jax.lax.dynamic_index_in_dim(uniforms, i, keepdims=False)
+        tok, lp = _sample(logits[:, -1], u, config)
         return (cache,) + _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos)
 
     state, start = (cache,) + tuple(carry), 1
@@ -426,7 +437,7 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
       graphdef, params: ``nnx.split(model)`` (graphdef is static: one compile per architecture).
       prompt_ids: int32[P, Tp], left-padded. Every row needs >= 1 real token (its last column).
       prompt_mask: bool[P, Tp], True on real tokens.
-      key: a PRNG key, fresh for every call (step i uses ``fold_in(key, i)``).
+      key: a PRNG key, fresh for every call (every step's uniforms are drawn from it at once).
       config: :class:`SamplingConfig` (static).
       num_samples: G (static). Each prompt is prefilled ONCE and its cache shared by its G samples;
         the rows are prompt-major (row p * G + g), the same rows (and, with the same key, the same
@@ -465,10 +476,13 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     tokens = jnp.full((b, n), pad, jnp.int32)
     logps = jnp.zeros((b, n), jnp.float32)
     out_mask = jnp.zeros((b, n), bool)
-    tok, lp = sample_step(logits, jax.random.fold_in(key, 0), config)
+    # every step's uniforms in one draw: a per-step key derivation would put a small PRNG program (on CPU a
+    # rolled loop of tiny ops) in every decode step
+    uniforms = None if config.is_greedy else jax.random.uniform(key, (n, 2, b, 1), jnp.float32)
+    tok, lp = _sample(logits, None if uniforms is None else uniforms[0], config)
     carry = _record(0, tok, lp, jnp.zeros((b,), bool), tokens, logps, out_mask, pad, eos)
     if n > 1:
-        carry = _decode_loop(model, cache, carry, prompt_len, key, config, pad, eos)
+        carry = _decode_loop(model, cache, carry, prompt_len, uniforms, config, pad, eos)
     _, done, tokens, logps, out_mask = carry
     return Rollout(
         tokens=tokens,

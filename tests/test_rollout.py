@@ -271,6 +271,48 @@ def test_no_recompile_and_keys_differ(llama):
         _check_eos_invariants(out, 5)
 
 
+def _subjaxprs(eqn):
+    """The jaxprs an equation holds (pjit, scan, while, cond ...)."""
+    vals = [x for v in eqn.params.values() for x in (v if isinstance(v, (tuple, list)) else (v,))]
+    return [v.jaxpr if hasattr(v, "consts") else v for v in vals if hasattr(v, "eqns") or hasattr(v, "consts")]
+
+
+def _loop_bodies(jaxpr):
+    """The bodies of every loop (``scan``: fixed-trip ``fori_loop``; ``while``) in ``jaxpr``, nested included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while"):
+            body = eqn.params["jaxpr" if eqn.primitive.name == "scan" else "body_jaxpr"]
+            out.append(body.jaxpr if hasattr(body, "consts") else body)
+        for sub in _subjaxprs(eqn):
+            out += _loop_bodies(sub)
+    return out
+
+
+def _primitives(jaxpr) -> set:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in _subjaxprs(eqn):
+            names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9, eos_id=5)])
+def test_decode_steps_hold_no_prng_work(llama, kw):
+    """Every step's uniforms are drawn once before the decode loops: no PRNG primitive (key derivation or
+    bits; on CPU a rolled loop of tiny ops per use) inside a decode step."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=N_NEW, pad_id=0, **kw)
+    jaxpr = jax.make_jaxpr(lambda p, i, m, k: generate(g, p, i, m, k, cfg))(p, ids, mask, jax.random.key(0)).jaxpr
+    bodies = _loop_bodies(jaxpr)
+    assert bodies, "the decode steps run in a loop"
+    prng = {"random_bits", "random_fold_in", "random_split", "threefry2x32", "random_seed", "random_wrap"}
+    assert prng & _primitives(jaxpr), "the uniforms are drawn somewhere"
+    for body in bodies:
+        assert not prng & _primitives(body), sorted(prng & _primitives(body))
+
+
 # ------------------------------------------------------------------------------------------ prefill once, G samples
 G_SAMPLES = 3
 
