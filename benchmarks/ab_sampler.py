@@ -4,15 +4,15 @@
     python benchmarks/ab_sampler.py --old /tmp/old_rollout.py [--quick] [--out FILE]
 
 The old file is imported as a separate module next to today's ``mrl_jax.rollout`` (it must only use
-the model API that still exists: ``init_cache`` / ``decode`` / ``decode_hidden`` / ``head``). Each case runs
-both samplers on the same weights and prompts (the old one on prompts repeated G times, the new one with
-``num_samples=G``), ``repeats`` interleaved timed calls after a compile call; reported: tokens/s (min time)
+the model API that still exists). Each case runs both samplers on the same weights and prompts (the new one
+with ``num_samples=G``; the old one too if its ``generate`` has it, else on prompts repeated G times), ``repeats`` interleaved timed calls after a compile call; reported: tokens/s (min time)
 of each, new / old, and the load record of the section (``mrl_jax.bench_env``).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -54,7 +54,11 @@ def _case(old, c: dict, repeats: int) -> dict:
     def run_new(k):
         return jax.block_until_ready(rollout.generate(g, p, ids, mask, k, new_cfg, num_samples=c["G"]))
 
+    shared = "num_samples" in inspect.signature(old.generate).parameters   # an old sampler after item 3
+
     def run_old(k):
+        if shared:
+            return jax.block_until_ready(old.generate(g, p, ids, mask, k, old_cfg, num_samples=c["G"]))
         return jax.block_until_ready(old.generate(g, p, rep_ids, rep_mask, k, old_cfg))
 
     t0 = time.perf_counter(); run_new(jax.random.key(1)); compile_new = time.perf_counter() - t0
