@@ -262,6 +262,9 @@ def test_wrong_text_is_flagged_not_misaligned(trained):
 def test_out_of_range_ids_raise(trained):
     with pytest.raises(ValueError, match="out of range"):
         thl.align("a", trained["char"], trained["byte_bpe"], src_ids=[10**6])
+    for bad in (2**40, -1):   # beyond int32 (the id lists are read as int32 first), negative
+        with pytest.raises(ValueError, match=f"source id {bad} out of range"):
+            thl.align_batch(["a", "b"], trained["char"], trained["byte_bpe"], [[1], [bad]])
 
 
 def test_padded_source_array_and_truncation(trained):

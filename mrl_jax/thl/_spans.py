@@ -40,10 +40,19 @@ def _flatten(ids, lengths=None, mask=None) -> tuple[np.ndarray, np.ndarray]:
             flat = np.concatenate([s.reshape(-1) for s in seqs]).astype(np.int64) if seqs else np.zeros(0, np.int64)
         else:
             lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-            flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+            flat = _ints(seqs, int(lengths.sum()))
     off = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=off[1:])
     return flat, off
+
+
+def _ints(seqs, n: int) -> np.ndarray:
+    """The ints of ``seqs`` (sequences of Python ints) concatenated, int64[n]. Read as int32 first (1.6x faster
+    than int64 from Python ints); ids beyond int32 fall back to int64 (and are then out of any vocabulary)."""
+    try:
+        return np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=n).astype(np.int64)
+    except OverflowError:
+        return np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=n)
 
 
 # ----------------------------------------------------------------------------------------------------------
