@@ -124,7 +124,7 @@ def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_
         for j in np.unique(sources):
             rows = np.nonzero(sources == j)[0]
             tok = policies[int(j)].tokenizer
-            if tok is consumer.tokenizer or tok.fingerprint == consumer.tokenizer.fingerprint:
+            if tok.fingerprint == consumer.tokenizer.fingerprint:   # cached per tokenizer object
                 parts.append((rows, see_lib.ViewAlignment.identity([src_ids[m] for m in rows])))
                 continue
             with timer("thl"):
