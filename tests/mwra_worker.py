@@ -3,12 +3,11 @@
     python tests/mwra_worker.py local                   # 8 CPU devices: allocation, placement, equivalence
     python tests/mwra_worker.py mp PROCESS_ID PORT      # one of two processes under jax.distributed
 
-Prints one JSON object on the last stdout line.
+Writes one JSON object (tests/worker_result.py).
 """
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import time
@@ -24,6 +23,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from mrl_jax import mwra  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import worker_result  # noqa: E402
 
 VOCAB = 64
 
@@ -210,7 +212,7 @@ def main(argv: list[str]) -> None:
     else:
         raise SystemExit(f"unknown scenario {argv[0]!r}")
     out["seconds"] = round(time.perf_counter() - t0, 2)
-    print(json.dumps(out), flush=True)
+    worker_result.write(out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
 
-Prints one JSON object on the last stdout line (the facts the test asserts on).
+Writes one JSON object, the facts the test asserts on (tests/worker_result.py).
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ if len(sys.argv) > 4 and sys.argv[1] == "mp":   # join the two-process run befor
 import numpy as np  # noqa: E402
 
 from benchmarks import soak  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import worker_result  # noqa: E402
 
 soak.enable_compile_cache()
 
@@ -204,4 +207,4 @@ def mpref(root: Path) -> dict:
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
     result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref}[mode](root)
-    print(json.dumps(result, default=str))
+    worker_result.write(result)

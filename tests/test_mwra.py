@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import worker_result
 from benchmarks import soak
 from mrl_jax import mwra
 from mrl_jax.mwra import allocate, plan, proportional_split
@@ -276,18 +277,13 @@ def test_initialize_distributed_validation(clean_env):
 
 
 # ---------------------------------------------------------------- subprocesses with forced CPU devices
-def _last_json(stdout: str) -> dict:
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"worker printed no JSON:\n{stdout[-2000:]}"
-    return json.loads(lines[-1])
-
-
 @pytest.fixture(scope="module")
-def local8():
-    r = subprocess.run([sys.executable, str(WORKER), "local"], env=soak.forced_devices_env(8), capture_output=True, text=True,
-                       timeout=240, cwd=REPO)
+def local8(tmp_path_factory):
+    result = tmp_path_factory.mktemp("mwra") / "local8.json"
+    r = subprocess.run([sys.executable, str(WORKER), "local"], env=worker_result.env_for(soak.forced_devices_env(8), result),
+                       capture_output=True, text=True, timeout=240, cwd=REPO)
     assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-4000:]}"
-    return _last_json(r.stdout)
+    return worker_result.read(result, r.stdout)
 
 
 def test_subprocess_allocation_on_8_cpu_devices(local8):
@@ -325,9 +321,11 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_jax_distributed():
+def test_two_processes_jax_distributed(tmp_path):
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)], env=soak.forced_devices_env(2),
+    results = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)],
+                              env=worker_result.env_for(soak.forced_devices_env(2), results[i]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for i in range(2)]
     outs = []
@@ -341,7 +339,7 @@ def test_two_processes_jax_distributed():
                 p.kill()
     for i, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"process {i} failed ({rc}):\n{err[-4000:]}"
-    r0, r1 = (_last_json(o) for _, o, _ in outs)
+    r0, r1 = (worker_result.read(path, o) for path, (_, o, _) in zip(results, outs))
     for i, r in enumerate((r0, r1)):
         assert r["info"] == [True, i, 2] and r["global_devices"] == 4 and r["local_devices"] == 2
         assert r["global_sharded_leaves"] > 0  # params really span both processes

@@ -4,7 +4,6 @@ a round under ``jax.transfer_guard("disallow")``, dispatch order, 8-vs-1-device 
 8-device checkpoint onto 4 devices."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import worker_result
 from benchmarks import soak
 from mrl_jax.configs import ConfigError
 from mrl_jax.trainer.placement import config_rules, pad_prompts, plan_run
@@ -104,11 +104,12 @@ def test_config_rules_and_padding():
 
 # ------------------------------------------------------------------ forced devices (subprocesses)
 def _worker(mode: str, root: Path, devices: int) -> dict:
-    env = dict(soak.forced_devices_env(devices), **soak.compile_cache_env())
+    result = root / f"{mode}.result.json"
+    env = worker_result.env_for(dict(soak.forced_devices_env(devices), **soak.compile_cache_env()), result)
     proc = subprocess.run([sys.executable, str(WORKER), mode, str(root)], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result.read(result, proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -195,13 +196,15 @@ def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
 
     port = _free_port()
     env = dict(soak.forced_devices_env(4), **soak.compile_cache_env())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(tmp_path), str(i), str(port)], env=env,
+    paths = [tmp_path / f"mp{i}.result.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(tmp_path), str(i), str(port)],
+                              env=worker_result.env_for(env, paths[i]),
                               cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    results = [worker_result.read(path, out) for path, (out, _) in zip(paths, outs)]
     assert [r["process"] for r in results] == [0, 1] and all(r["num_devices"] == 8 for r in results)
     assert all(r["resumed_from"] == 1 for r in results)
     local = [set(r["local_devices"]) for r in results]
