@@ -7,7 +7,6 @@ with no visible key at all (uniform over every slot, as the single-softmax path 
 """
 import importlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings

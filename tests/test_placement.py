@@ -4,7 +4,6 @@ a round under ``jax.transfer_guard("disallow")``, dispatch order, 8-vs-1-device 
 8-device checkpoint onto 4 devices."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from mrl_jax import thl
-from mrl_jax.thl import _host
+from mrl_jax.thl import _chunks
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 
 
@@ -160,7 +160,7 @@ def test_byte_check_flags_a_chunk_whose_sides_differ(toks, monkeypatch):
     text = "a\u2581b"
     a = thl.align(text, s, d)
     assert not a.chunk_valid.all() and a.residual["byte_mismatch_chunks"] == 0  # the text check caught it
-    monkeypatch.setattr(_host, "_text_valid", lambda bad, extra, cs, ce, lay, n: np.ones(lay.K, dtype=bool))
+    monkeypatch.setattr(_chunks, "_text_valid", lambda bad, extra, cs, ce, lay, n: np.ones(lay.K, dtype=bool))
     ba = thl.align_batch([text, "a b"], s, d)
     a = ba.row(0)
     assert a.residual["byte_mismatch_chunks"] >= 1 and not a.chunk_valid.all()
