@@ -161,12 +161,16 @@ def main(argv=None) -> None:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="wait at most SECONDS for the machine to be quiet before timing")
     ap.add_argument("--idle-load", type=float, default=None, metavar="LOAD", help="quiet/contended threshold")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     from mrl_jax.bench import run_recorded
 
     figures = run_recorded(lambda: run(args.quick, src_name=args.src, dst_name=args.dst), args.wait_idle,
                            args.idle_load)
-    print(json.dumps(figures, indent=2))
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
