@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -174,14 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from mrl_jax.bench import run_recorded
+    from mrl_jax.bench import print_figures, run_recorded
 
-    figures = run_recorded(lambda: run(args.old, args.repeats), args.wait_idle)
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_figures(run_recorded(lambda: run(args.old, args.repeats), args.wait_idle), args.out)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import json
 import os
 import sys
 import time
@@ -83,17 +82,13 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from mrl_jax.bench import run_recorded
+    from mrl_jax.bench import print_figures, run_recorded
 
     old = _load_old(args.old)
     cases = QUICK if args.quick else CASES
     figures = run_recorded(lambda: {name: _case(old, c, args.repeats) for name, c in cases.items()},
                            args.wait_idle)
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_figures(figures, args.out)
     return 0
 
 

@@ -20,7 +20,6 @@ a multilingual share (CJK, emoji, accents, RTL), each about 256 source tokens. T
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -163,14 +162,11 @@ def main(argv=None) -> None:
     ap.add_argument("--idle-load", type=float, default=None, metavar="LOAD", help="quiet/contended threshold")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
-    from mrl_jax.bench import run_recorded
+    from mrl_jax.bench import print_figures, run_recorded
 
     figures = run_recorded(lambda: run(args.quick, src_name=args.src, dst_name=args.dst), args.wait_idle,
                            args.idle_load)
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_figures(figures, args.out)
 
 
 if __name__ == "__main__":

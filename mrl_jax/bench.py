@@ -51,7 +51,6 @@ def script_main(run, description: str, argv: list[str] | None = None) -> int:
     ``"load"`` (:func:`mrl_jax.bench_env.summarize` of every timed section) and a top-level ``"contended"``.
     """
     import argparse
-    import json
 
     from mrl_jax import bench_env
 
@@ -64,12 +63,18 @@ def script_main(run, description: str, argv: list[str] | None = None) -> int:
                     help="quiet = 1-min load average below LOAD; also the contended threshold "
                     f"(default 0.25 per core = {bench_env.default_threshold():g} here)")
     args = ap.parse_args(argv)
-    figures = run_recorded(lambda: run(quick=args.quick), args.wait_idle, args.idle_load)
+    print_figures(run_recorded(lambda: run(quick=args.quick), args.wait_idle, args.idle_load), args.out)
+    return 0
+
+
+def print_figures(figures: dict, out: str | None = None) -> None:
+    """A benchmark's figures as indented JSON on stdout, and into ``out`` when given."""
+    import json
+
     text = json.dumps(figures, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def run_recorded(fn, wait_idle_s: float = 0.0, threshold: float | None = None) -> dict:
