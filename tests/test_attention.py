@@ -90,4 +90,5 @@ def test_sampler_decode_step_equals_one_softmax_over_prompt_and_generated_slots(
         vis = np.concatenate([pm[p], np.arange(Lg) <= j]) & ((slot > Tp + j - w) if w else True)
         keys = np.concatenate([pk[p].transpose(2, 0, 1), gk[b].transpose(2, 0, 1)])
         vals = np.concatenate([pv[p].transpose(1, 0, 2), gv[b].transpose(1, 0, 2)])
-        np.testing.assert_allclose(np.asarray(out[b, 0]), _softmax_attend(q[b, 0], keys, vals, vis), atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(out[b, 0]), _softmax_attend(q[b, 0], keys, vals, vis),
+                                   atol=2e-4, rtol=1e-4)

@@ -166,7 +166,7 @@ def test_train_deterministic_and_cached(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("retrained instead of loading the cache")
 
-    monkeypatch.setattr(tokenization, "_train", boom)
+    monkeypatch.setattr(tokenization._training, "_train", boom)
     c = train_tokenizer("byte_bpe", CORPUS, 400, cache_dir=tmp_path / "a")
     assert c.encode("hello 123") == a["byte_bpe"].encode("hello 123")
     with pytest.raises(AssertionError):  # another corpus is another key

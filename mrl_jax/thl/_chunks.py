@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mrl_jax.thl._spans import _map_row, _row_hashes, _Side, _side
-from mrl_jax.tokenization import ByteTable, _gather_index
+from mrl_jax.tokenization._bytes import ByteTable, _gather_index
 
 
 def _repeat(per_row: np.ndarray, counts: np.ndarray) -> np.ndarray:
