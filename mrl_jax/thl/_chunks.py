@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mrl_jax.thl._spans import _map_row, _row_hashes, _Side, _side
+from mrl_jax.thl._spans import _map_row, _row_hashes, _segment_sums, _Side, _side
 from mrl_jax.tokenization._bytes import ByteTable, _gather_index
 
 
@@ -266,13 +266,11 @@ def _residual(boff, src: _Side, dst: _Side, lay: _Layout, valid, mismatch, one, 
     """Per-row residual figures (see :func:`align_batch`). ``fix_s`` / ``fix_d``: (fix-up token indices, their
     rows)."""
     B = boff.shape[0] - 1
-    K, cbase, nchunks = lay.K, lay.cbase, lay.nchunks
+    cbase, nchunks = lay.cbase, lay.nchunks
     (zs, rs_), (zd, rd_) = fix_s, fix_d
 
     def per_row(x):
-        c = np.zeros(K + 1, dtype=np.int64)
-        np.cumsum(x, out=c[1:])
-        return c[cbase[1:]] - c[cbase[:-1]]
+        return _segment_sums(x, cbase, np.int64)
 
     def count(side_rows, mask):
         return np.bincount(side_rows[mask], minlength=B).astype(np.int64)

@@ -78,13 +78,17 @@ _PINV = np.uint64(pow(int(HASH_BASE), -1, 1 << 64))
 
 def _row_hashes(tb: np.ndarray, boff: np.ndarray) -> np.ndarray:
     """``sum_{j in row} tb[j] * P**j`` per row (uint64[B]; j: position in the whole batch)."""
-    B = boff.shape[0] - 1
-    out = np.zeros(B, dtype=np.uint64)
-    nonempty = boff[1:] > boff[:-1]
-    if tb.shape[0]:
-        vals = tb.astype(np.uint64)
-        vals *= _powers(tb.shape[0])[: tb.shape[0]]
-        out[nonempty] = np.add.reduceat(vals, boff[:-1][nonempty])
+    return _segment_sums(tb * _powers(tb.shape[0])[: tb.shape[0]], boff)
+
+
+def _segment_sums(x: np.ndarray, off: np.ndarray, dtype=None) -> np.ndarray:
+    """``x[off[r]:off[r + 1]].sum()`` per row (``[B]``, 0 for an empty row; ``off: int64[B+1]``, ``off[-1]`` the
+    length of ``x``), accumulated in ``dtype`` (default ``x.dtype``; give an integer type for booleans)."""
+    dtype = x.dtype if dtype is None else np.dtype(dtype)
+    out = np.zeros(off.shape[0] - 1, dtype=dtype)
+    nonempty = off[1:] > off[:-1]
+    if x.shape[0]:
+        out[nonempty] = np.add.reduceat(x, off[:-1][nonempty], dtype=dtype)
     return out
 
 
@@ -129,9 +133,7 @@ def _side(table: ByteTable, ids: np.ndarray, off: np.ndarray, boff: np.ndarray, 
                 rowlen = np.diff(rs)
     pw = _powers(int(boff[-1]) + int(cs[-1]) + 2)
     start = cs[:-1] + np.repeat(boff[:-1] - rs[:-1], counts)  # stream position -> text position
-    pc = np.zeros(M + 1, dtype=np.uint64)
-    np.cumsum(h * pw[start], out=pc[1:])  # hash of the row's token bytes, placed at the row's text offset
-    ok = (rowlen == textlen) & (np.diff(pc[off]) == text_hash)
+    ok = (rowlen == textlen) & (_segment_sums(h * pw[start], off) == text_hash)  # placed at the row's text offset
     return _Side(ids=ids, off=off, counts=counts, L=L, start=start, end=start + L, ok=ok, stripped=stripped,
                  cut=np.zeros(B, dtype=bool))
 
