@@ -1,0 +1,118 @@
+"""Probe specs: the registry of probe constructors, spec strings (``"xgrpo+sgt:lam=0.3"``, ``"none|sgt"``),
+their check against the run's options, and ``switch`` (one compiled update over several chains)."""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Callable, Sequence, Union
+
+import jax.numpy as jnp
+
+from mrl_jax import grpo
+from mrl_jax.probes._kinds import prp, replay, sgt, xgrpo
+from mrl_jax.probes._probe import Probe, chain, none
+from mrl_jax.rows import PER_ROW
+
+REGISTRY: dict[str, Callable[..., Probe]] = {"none": none, "xgrpo": xgrpo, "prp": prp, "sgt": sgt, "replay": replay}
+
+
+def _split_spec(part: str, *, strict: bool) -> tuple[str, dict[str, Any]]:
+    """``"sgt:lam=0.3,tau=1.0"`` -> ``("sgt", {"lam": 0.3, "tau": 1.0})`` (values as Python literals, else
+    strings); ``strict``: an option without ``=`` is an error."""
+    name, _, args = part.strip().partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        k, eq, v = item.partition("=")
+        if strict and not eq:
+            raise ValueError(f"probe option {item!r} in {part!r} must be key=value")
+        try:
+            kwargs[k.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            kwargs[k.strip()] = v.strip()
+    return name.strip().lower(), kwargs
+
+
+def _parse_one(spec: str) -> Probe:
+    name, kwargs = _split_spec(spec, strict=True)
+    if name not in REGISTRY:
+        raise ValueError(f"unknown probe {name!r}; known: {sorted(REGISTRY)} (combine with '+', "
+                         f"options as 'sgt:lam=0.3,tau=1.0')")
+    try:
+        return REGISTRY[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad options for probe {name!r}: {e}") from None
+
+
+def run_option_conflicts(spec: str, *, scale_rewards: str, reward_eps: float, tau: float) -> list[str]:
+    """Explicit probe options of ``spec`` that contradict the run (scale / eps vs the GRPO options, tau vs the
+    SEE success threshold), as messages; [] when the spec agrees (options left out are taken from the run)."""
+    run = {"scale": (scale_rewards, "grpo.scale_rewards"), "eps": (reward_eps, "grpo.reward_eps"),
+           "tau": (tau, "see.success_threshold")}
+    bad = []
+    for name, kw in (_split_spec(p, strict=False) for p in filter(str.strip, spec.split("+"))):
+        for key, (value, run_key) in run.items():
+            if key in kw:
+                v = grpo._norm_scale(kw[key]) if key == "scale" else kw[key]
+                if v != value:
+                    bad.append(f"{name}:{key}={kw[key]!r} contradicts {run_key}={value!r} (drop the probe option: "
+                               "probes take it from the run)")
+    return bad
+
+
+def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None]) -> Probe:
+    """Build a probe chain from "none" | "xgrpo" | "prp" | "sgt" | "xgrpo+sgt" | "sgt:lam=0.3" | a list |
+    a Probe; "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index)."""
+    if spec is None:
+        return none()
+    if isinstance(spec, Probe):
+        return spec
+    if isinstance(spec, str) and "|" in spec:
+        return switch(*[p for p in spec.split("|") if p.strip()])
+    if isinstance(spec, str):
+        parts = [p for p in spec.split("+") if p.strip()]
+        if not parts:
+            raise ValueError("empty probe spec; use 'none'")
+        return chain(*[_parse_one(p) for p in parts])
+    return chain(*[make_probe(s) for s in spec])
+
+
+def switch(*choices) -> Probe:
+    """One compiled update for several probe chains: ``rows.probe_index`` (the update's ``probe_index``
+    argument, a traced int) picks the chain that acts; the others run but are masked out. Costs the union
+    of the chains' rows (peer slots are always assembled). E.g. ``switch("none", "xgrpo", "prp", "sgt")``.
+    For library use (one compile over several chains); a run config names one chain per policy."""
+    choices = tuple(make_probe(c) for c in choices)
+    if not choices:
+        raise ValueError("switch needs at least one probe")
+
+    def pick(idx, xs):
+        return jnp.stack(xs)[jnp.clip(idx, 0, len(xs) - 1)]
+
+    def masked(idx, ms):
+        out = {}
+        for i, m in enumerate(ms):
+            on = (idx == i).astype(jnp.float32)
+            out = grpo.merge_metrics(out, {k: (v[0] * on, v[1] * on) for k, v in m.items()})
+        return out
+
+    def extend(rows, see_view, key):
+        outs = [c.extend(rows, see_view, key) for c in choices]
+        idx = rows.probe_index
+        upd = {f: pick(idx, [getattr(o, f) for o, _ in outs]) for f in PER_ROW + ("pool_weighted",)}
+        return rows.replace(**upd), masked(idx, [m for _, m in outs])
+
+    def advantages(rewards, rows, see_view, adv):
+        return pick(rows.probe_index, [c.advantages(rewards, rows, see_view, adv) for c in choices])
+
+    def loss_terms(logp, rows):
+        ss, ds, ms = [], [], []
+        for i, c in enumerate(choices):
+            s, d, m = c.loss_terms(logp, rows)
+            ss.append(jnp.atleast_1d(s) * (rows.probe_index == i))
+            ds.append(jnp.atleast_1d(d))
+            ms.append(m)
+        return jnp.concatenate(ss), jnp.concatenate(ds), masked(rows.probe_index, ms)
+
+    return Probe("switch(" + ",".join(c.name for c in choices) + ")", extend, advantages, loss_terms,
+                 needs_peers=any(c.needs_peers for c in choices),
+                 needs_peer_logp=any(c.needs_peer_logp for c in choices))
