@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 import numpy as np
 
 from mrl_jax import see as S
+from mrl_jax.see._views import _round_robin
 
 
 _add = jax.jit(S.add)
@@ -132,7 +133,7 @@ def _select_by_scan(see, consumer, prompt_ids, k_rollouts, k_successes, k_own):
         m = ro.valid & (ro.prompt_id == pid) & (ro.source != consumer)
         if 0 <= pid < lr.shape[0]:
             m &= ro.round == lr[pid, np.clip(ro.source, 0, lr.shape[1] - 1)]
-        chosen = [(0, i) for i in S._round_robin(ro, np.nonzero(m)[0])[:k_rollouts]]
+        chosen = [(0, i) for i in _round_robin(ro, np.nonzero(m)[0])[:k_rollouts]]
         seen = {(int(ro.source[i]), int(ro.text_hash[i]), int(ro.text_len[i])) for _, i in chosen}
         sidx = np.nonzero(su.valid & (su.prompt_id == pid) & (su.source != consumer))[0]
         for i in sidx[np.argsort(-su.stamp[sidx], kind="stable")]:
