@@ -245,7 +245,7 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
                            r.completion_mask, group, cfg)
 
     def grads_fn(params, batch: Batch, see_view, key, probe_index=0, frozen=None):
-        P, G = batch.num_prompts, batch.num_generations
+        G = batch.num_generations
         if G != cfg.num_generations:
             raise ValueError(f"batch has {G} generations per prompt, GRPOConfig.num_generations="
                              f"{cfg.num_generations}")

@@ -167,7 +167,8 @@ def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_id
             lps[i, :len(a)] = a
     pad = lambda x, dt, fill=0: np.concatenate([np.broadcast_to(np.asarray(x, dt), (M,)),
                                                 np.full((R - M,), fill, dt)])
-    return Experience(prompt_id=jnp.asarray(pad(prompt_ids, np.int32, -1)), source=jnp.asarray(pad(source, np.int32, -1)),
+    return Experience(prompt_id=jnp.asarray(pad(prompt_ids, np.int32, -1)),
+                      source=jnp.asarray(pad(source, np.int32, -1)),
                       text=jnp.asarray(text), text_len=jnp.asarray(tlen), reward=jnp.asarray(pad(rewards, np.float32)),
                       truncated=jnp.asarray(pad(False if truncated is None else truncated, bool) | cut),
                       round=jnp.asarray(pad(round, np.int32)), src_ids=jnp.asarray(ids), src_logp=jnp.asarray(lps),
