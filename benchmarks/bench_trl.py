@@ -228,7 +228,7 @@ def _compare(hf_tok, model_dir: str, root: str, plan: dict, name: str, shape: di
     with section(f"ours_{name}") as out["load_ours"]:
         out.update(_run_ours(hf_tok, model_dir, plan["warmup"], plan["steps"], shape, prompts))
     try:
-        import trl  # noqa: F401
+        import trl
     except ImportError as e:
         return dict(out, trl_s_per_step=None, speedup=None, trl_version=None,
                     trl_error=f"TRL is not installed ({e}); `pip install -e .[bench]`")
@@ -236,7 +236,6 @@ def _compare(hf_tok, model_dir: str, root: str, plan: dict, name: str, shape: di
         with section(f"trl_{name}") as out["load_trl"]:
             out.update(_run_trl(hf_tok, model_dir, root, plan["warmup"], plan["steps"], shape, prompts))
     except Exception as e:  # record the precise reason, never fake a number
-        import trl
         return dict(out, trl_s_per_step=None, speedup=None, trl_version=trl.__version__,
                     trl_error=f"{type(e).__name__}: {e}")
     out["contended"] = bool(out["load_ours"]["contended"] or out["load_trl"]["contended"])

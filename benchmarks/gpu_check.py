@@ -155,7 +155,6 @@ def section_copy_bandwidth(ctx: Context) -> dict:
     res["copy_bytes_per_s_best"] = moved / t["min_s"]
     res["fraction_of_datasheet"] = res["copy_bytes_per_s"] / H200_PEAK_HBM_BYTES_PER_S
     ctx.shape["copy_bw"] = res["copy_bytes_per_s"]
-    del x
     return res
 
 

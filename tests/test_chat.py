@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.chat import ChatTemplateError, PromptFormat, read_chat_template, stop_ids

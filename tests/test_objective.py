@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mrl_jax import grpo, objective, probes, see
+from mrl_jax import objective, probes, see
 from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn
 from mrl_jax.models import tiny_model
 from mrl_jax.rows import concat, own_rows, peer_rows
