@@ -18,8 +18,10 @@ How it works (all on device, no host sync inside the loop):
 * the cache (:class:`mrl_jax.models.SampleCache`) is allocated inside the program (a memset, no host
   transfer): per layer, the prompt part [P, K, Tp, D] and the generated part [P * G, K, Lg, D], heads-major
   so that the decode step's attention matmuls read it in place (the stacked [L, B, S, K, D] layout made
-  XLA copy-transpose every layer's whole cache at every step). It is a loop carry written with
-  ``lax.dynamic_update_slice``, so XLA aliases the buffers across iterations.
+  XLA copy-transpose every layer's whole cache at every step). With G = 1 there is nothing to share: the
+  prompt fills the first Tp slots of one [B, K, Tp + Lg, D] block per layer, and each step attends over that
+  one block. It is a loop carry written with ``lax.dynamic_update_slice``, so XLA aliases the buffers across
+  iterations.
 * the generated part grows in length buckets (:func:`gen_buckets`: 64, 128, ..., N - 1): one decode
   loop per bucket, each attending over its bucket only, not over ``max_new_tokens`` at every step.
 * the LM head is applied to the last prompt position only; each decode step runs one

@@ -58,6 +58,9 @@ class SampleCache:
     gk, gv: tuple of L arrays, keys [B, K, D, Lg] and values [B, K, Lg, D]: the generated tokens', Lg the
       current length bucket (:meth:`grow` pads it to the next bucket).
     pmask: bool[P, Tp], True on real prompt tokens (left padding False).
+    ``joint`` (G = 1, nothing to share): ``pk = pv = ()`` and the prompt fills the first Tp slots of gk / gv
+      ([B, K, D, Tp + Lg], [B, K, Tp + Lg, D]), so a decode step attends over one block (one softmax, half the
+      ops of the two-block merge).
     Heads-major per row, keys slot-minor: the decode step's two matmuls (q [., D] x keys [D, S], probs [., S] x
     values [S, D]) read the cache in place, each with a contiguous minor axis (keys [S, D] made XLA:CPU's
     score matmul 1.7x slower per step at B 64, S 127); one array per layer is updated and read without
@@ -77,14 +80,18 @@ class SampleCache:
         L = kv.k.shape[0]
         pk = tuple(kv.k[i].transpose(0, 2, 3, 1) for i in range(L))
         pv = tuple(kv.v[i].transpose(0, 2, 1, 3) for i in range(L))
-        return cls(pk=pk, pv=pv, gk=(), gv=(), pmask=pmask.astype(bool)).with_rows(num_rows, gen_len)
+        pmask = pmask.astype(bool)
+        if num_rows == pmask.shape[0]:   # G = 1: the prompt's slots lead the generated ones (joint layout)
+            return cls(pk=(), pv=(), gk=pk, gv=pv, pmask=pmask).grow(gen_len)
+        P, K, D, _ = pk[0].shape
+        zk = jnp.zeros((num_rows, K, D, gen_len), pk[0].dtype)
+        zv = jnp.zeros((num_rows, K, gen_len, D), pv[0].dtype)
+        return cls(pk=pk, pv=pv, gk=(zk,) * L, gv=(zv,) * L, pmask=pmask)
 
-    def with_rows(self, num_rows: int, gen_len: int) -> "SampleCache":
-        """Zeroed generated part for ``num_rows`` = P * G rows and ``gen_len`` slots."""
-        P, K, D, _ = self.pk[0].shape
-        zk = jnp.zeros((num_rows, K, D, gen_len), self.pk[0].dtype)
-        zv = jnp.zeros((num_rows, K, gen_len, D), self.pv[0].dtype)
-        return self.replace(gk=(zk,) * len(self.pk), gv=(zv,) * len(self.pv))
+    @property
+    def joint(self) -> bool:
+        """The prompt is in the first Tp slots of gk / gv (G = 1; see the class docstring)."""
+        return not self.pk
 
     def grow(self, gen_len: int) -> "SampleCache":
         """Pad the generated part to ``gen_len`` slots (the next length bucket; one copy per bucket)."""
@@ -98,15 +105,16 @@ class SampleCache:
     @property
     def gen_len(self) -> int:
         """Lg, the generated part's current number of slots."""
-        return self.gv[0].shape[2]
+        return self.gv[0].shape[2] - (self.pmask.shape[1] if self.joint else 0)
 
     @property
     def num_samples(self) -> int:
-        return self.gv[0].shape[0] // self.pv[0].shape[0]
+        return self.gv[0].shape[0] // self.pmask.shape[0]
 
-    def step_masks(self, gen_index, window: Optional[int] = None) -> Tuple[jax.Array, jax.Array]:
+    def step_masks(self, gen_index, window: Optional[int] = None):
         """(bool[P, Tp], bool[Lg]) for a new token written at generated slot ``gen_index`` (query slot
-        Tp + gen_index): real prompt slots, generated slots <= gen_index, and the sliding window."""
+        Tp + gen_index): real prompt slots, generated slots <= gen_index, and the sliding window. Joint layout:
+        the two as one bool[B, Tp + Lg]."""
         tp, lg = self.pmask.shape[1], self.gen_len
         j = jnp.asarray(gen_index, jnp.int32)
         ps = jnp.arange(tp, dtype=jnp.int32)
@@ -115,6 +123,8 @@ class SampleCache:
         if window is not None:
             pm = pm & (ps > tp + j - window)[None, :]
             gm = gm & (gs > j - window)
+        if self.joint:
+            return jnp.concatenate([pm, jnp.broadcast_to(gm, (pm.shape[0], lg))], axis=1)
         return pm, gm
 
 
@@ -279,6 +289,8 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     [B, K, g, Lg] share one float32 softmax (merged by their maxes), so this equals attention over the
     concatenated slots.
     """
+    if cache.joint:
+        return _attend_joint(q, k, v, masks, scale, cache, layer, gen_index)
     B, T, H, D = q.shape
     P, K, Tp, _ = cache.pv[layer].shape
     G, g = B // P, H // K
@@ -310,6 +322,27 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     m = jnp.maximum(mp, mg)
     wp, wg = jnp.exp(mp - m), jnp.exp(mg - m)
     o = (op * wp + og * wg) / (zp * wp + eg.sum(-1, keepdims=True) * wg)
+    return o.astype(q.dtype).reshape(B, T, H, D), cache
+
+
+def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_index):
+    """One decode step over a joint SampleCache (G = 1): q [B, 1, H, D]; k, v [B, 1, K, D] written at slot
+    Tp + ``gen_index``; mask bool[B, Tp + Lg]. One block: scores [B, K, g, S], one float32 softmax."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    g = H // K
+    j = cache.pmask.shape[1] + jnp.asarray(gen_index, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    dt = cache.gk[layer].dtype
+    gk = jax.lax.dynamic_update_slice(cache.gk[layer], k.reshape(B, K, D, 1).astype(dt), (zero, zero, zero, j))
+    gv = jax.lax.dynamic_update_slice(cache.gv[layer], v.reshape(B, K, 1, D).astype(dt), (zero, zero, j, zero))
+    cache = cache.replace(gk=_set(cache.gk, layer, gk), gv=_set(cache.gv, layer, gv))
+    s = jnp.einsum("bkqd,bkds->bkqs", q.reshape(B, K, g, D), gk.astype(q.dtype), preferred_element_type=jnp.float32)
+    s = s * scale + _bias(mask)[:, None, None, :]
+    m = s.max(-1, keepdims=True)
+    e = jnp.exp(s - m)
+    o = jnp.einsum("bkqs,bksd->bkqd", e.astype(q.dtype), gv.astype(q.dtype), preferred_element_type=jnp.float32)
+    o = o / e.sum(-1, keepdims=True)
     return o.astype(q.dtype).reshape(B, T, H, D), cache
 
 
