@@ -2,15 +2,20 @@
 
     git show abf26a9:mrl_jax/rollout.py > /tmp/old_rollout.py     # the sampler before issue #14
     python benchmarks/ab_sampler.py --old /tmp/old_rollout.py [--quick] [--out FILE]
+    python benchmarks/ab_sampler.py --old-rev HEAD~1               # the whole package at a revision
 
-The old file is imported as a separate module next to today's ``mrl_jax.rollout`` (it must only use
-the model API that still exists). Each case runs both samplers on the same weights and prompts (the new one
-with ``num_samples=G``; the old one too if its ``generate`` has it, else on prompts repeated G times), ``repeats`` interleaved timed calls after a compile call; reported: tokens/s (min time)
-of each, new / old, and the load record of the section (``mrl_jax.bench_env``).
+``--old``: the old file is imported as a separate module next to today's ``mrl_jax.rollout`` (it must only use
+the model API that still exists). ``--old-rev``: the package at that git revision (``old_tree``), models
+included, so a change of the cache layout and its kernels compares as a whole; both sides build the same
+weights and ``tokens_identical`` reports whether they sampled the same tokens. Each case runs both samplers on
+the same weights and prompts (the new one with ``num_samples=G``; the old one too if its ``generate`` has it, else
+on prompts repeated G times), ``repeats`` interleaved timed calls after a compile call; reported: tokens/s (min
+time) of each, new / old, and the load record of the section (``mrl_jax.bench_env``).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import inspect
 import os
@@ -33,7 +38,7 @@ def _load_old(path: str):
     return mod
 
 
-def _case(old, c: dict, repeats: int) -> dict:
+def _case(old, c: dict, repeats: int, old_models=None) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -41,9 +46,9 @@ def _case(old, c: dict, repeats: int) -> dict:
     from mrl_jax import models, rollout
     from mrl_jax.bench_env import section
 
-    m = models.tiny_model("llama", 512, hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                          intermediate_size=384)
-    g, p = nnx.split(m)
+    arch = dict(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384)
+    g, p = nnx.split(models.tiny_model("llama", 512, **arch))
+    go, po = (g, p) if old_models is None else nnx.split(old_models.tiny_model("llama", 512, **arch))
     ids = jax.random.randint(jax.random.key(0), (c["P"], c["tp"]), 3, 512)
     mask = jnp.ones_like(ids, bool)
     rep_ids, rep_mask = jnp.repeat(ids, c["G"], 0), jnp.repeat(mask, c["G"], 0)
@@ -57,11 +62,12 @@ def _case(old, c: dict, repeats: int) -> dict:
 
     def run_old(k):
         if shared:
-            return jax.block_until_ready(old.generate(g, p, ids, mask, k, old_cfg, num_samples=c["G"]))
-        return jax.block_until_ready(old.generate(g, p, rep_ids, rep_mask, k, old_cfg))
+            return jax.block_until_ready(old.generate(go, po, ids, mask, k, old_cfg, num_samples=c["G"]))
+        return jax.block_until_ready(old.generate(go, po, rep_ids, rep_mask, k, old_cfg))
 
-    t0 = time.perf_counter(); run_new(jax.random.key(1)); compile_new = time.perf_counter() - t0
-    t0 = time.perf_counter(); run_old(jax.random.key(1)); compile_old = time.perf_counter() - t0
+    t0 = time.perf_counter(); out_new = run_new(jax.random.key(1)); compile_new = time.perf_counter() - t0
+    t0 = time.perf_counter(); out_old = run_old(jax.random.key(1)); compile_old = time.perf_counter() - t0
+    same = bool(jnp.array_equal(out_new.tokens, out_old.tokens))
     tn, to = [], []
     with section(f"ab_{c['P']}x{c['G']}_{c['tp']}+{c['n']}") as load:
         for i in range(repeats):
@@ -70,13 +76,15 @@ def _case(old, c: dict, repeats: int) -> dict:
     toks = c["P"] * c["G"] * c["n"]
     return dict(case=c, new_tokens_per_s=round(toks / min(tn)), old_tokens_per_s=round(toks / min(to)),
                 new_over_old=round(min(to) / min(tn), 3), new_s_all=[round(t, 4) for t in tn],
-                old_s_all=[round(t, 4) for t in to], first_call_s_new=round(compile_new, 2),
+                old_s_all=[round(t, 4) for t in to], tokens_identical=same, first_call_s_new=round(compile_new, 2),
                 first_call_s_old=round(compile_old, 2), load=load, contended=load["contended"])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True, help="path of the old mrl_jax/rollout.py")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--old", help="path of the old mrl_jax/rollout.py")
+    which.add_argument("--old-rev", help="a git revision: its whole mrl_jax package is the old side")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS")
@@ -84,9 +92,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from mrl_jax.bench import print_figures, run_recorded
 
-    old = _load_old(args.old)
+    old_models = None
+    if args.old_rev:
+        from old_tree import import_old_package
+
+        pkg = import_old_package(args.old_rev)
+        old, old_models = (importlib.import_module(f"{pkg.__name__}.{m}") for m in ("rollout", "models"))
+    else:
+        old = _load_old(args.old)
     cases = QUICK if args.quick else CASES
-    figures = run_recorded(lambda: {name: _case(old, c, args.repeats) for name, c in cases.items()},
+    figures = run_recorded(lambda: {name: _case(old, c, args.repeats, old_models) for name, c in cases.items()},
                            args.wait_idle)
     print_figures(figures, args.out)
     return 0
@@ -94,4 +109,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())
