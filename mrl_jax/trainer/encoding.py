@@ -10,6 +10,7 @@ prompt ids in front.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -80,11 +81,21 @@ def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarra
     """
     stops = {tokenizer.eos_id} if stop_ids is None else set(int(i) for i in stop_ids)
     stops.discard(None)
-    texts, content = [], []
-    for row, m in zip(np.asarray(tokens), np.asarray(mask)):
-        ids = [int(t) for t in row[m.astype(bool)]]
-        if ids and ids[-1] in stops:
-            ids = ids[:-1]
-        content.append(ids)
-        texts.append(tokenizer.decode(ids, continuation=True))
+    tokens, mask = np.asarray(tokens), np.asarray(mask, dtype=bool)
+    flat = tokens[mask].astype(np.int64)                # every row's masked tokens, concatenated
+    if not flat.size:
+        return [""] * tokens.shape[0], [[] for _ in range(tokens.shape[0])]
+    n = mask.sum(axis=1)
+    end = np.cumsum(n)                                  # one past each row's last masked token
+    drop = (n > 0) & np.isin(flat[np.maximum(end - 1, 0)], list(stops))   # a final stop token is not content
+    keep = np.ones(flat.size, dtype=bool)
+    keep[(end - 1)[drop]] = False
+    flat = flat[keep]
+    off = np.concatenate([[0], np.cumsum(n - drop)])
+    ids = flat.tolist()
+    content = [ids[a:b] for a, b in itertools.pairwise(off.tolist())]
+    # the exact bytes of the content tokens (``decode(continuation=True)``), each row decoded on its own
+    boff = np.concatenate([[0], np.cumsum(tokenizer.byte_table.lengths[flat], dtype=np.int64)])[off]
+    data = tokenizer.decode_bytes(flat)
+    texts = [data[a:b].decode("utf-8", errors="replace") for a, b in itertools.pairwise(boff.tolist())]
     return texts, content
