@@ -70,9 +70,9 @@ def _case(old, c: dict, repeats: int, old_models=None) -> dict:
     same = bool(jnp.array_equal(out_new.tokens, out_old.tokens))
     tn, to = [], []
     with section(f"ab_{c['P']}x{c['G']}_{c['tp']}+{c['n']}") as load:
-        for i in range(repeats):
-            t0 = time.perf_counter(); run_new(jax.random.key(2 + i)); tn.append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); run_old(jax.random.key(2 + i)); to.append(time.perf_counter() - t0)
+        for i in range(repeats):   # alternate which side goes first
+            for run, ts in ((run_new, tn), (run_old, to))[::1 if i % 2 == 0 else -1]:
+                t0 = time.perf_counter(); run(jax.random.key(2 + i)); ts.append(time.perf_counter() - t0)
     toks = c["P"] * c["G"] * c["n"]
     return dict(case=c, new_tokens_per_s=round(toks / min(tn)), old_tokens_per_s=round(toks / min(to)),
                 new_over_old=round(min(to) / min(tn), 3), new_s_all=[round(t, 4) for t in tn],

@@ -170,12 +170,13 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     (Gumbel-max) needs one random number per vocabulary entry; at [16, 8192] on CPU this is ~10x faster, and
     on GPU it reads [B, V] once.
     """
-    return _inverse_cdf(jax.random.uniform(key, (2, *logits.shape[:-1], 1), jnp.float32), logits)
+    return _inverse_cdf(jax.random.uniform(key, (2, *logits.shape[:-1], 1), jnp.float32), logits)[0]
 
 
-def _inverse_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
+def _inverse_cdf(u: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`categorical` with its uniforms given, ``u: f32[2, ..., 1]`` in [0, 1): ``u[0]`` picks a block of
-    128 tokens by its mass, ``u[1]`` a token inside the block."""
+    128 tokens by its mass, ``u[1]`` a token inside the block. Returns (tokens int32[...], ``logsumexp(logits)``
+    f32[...] from the same max and masses, so a log-prob needs no second pass over the vocabulary)."""
     *lead, v = logits.shape
     nb = -(-v // _BLOCK)
     m = jnp.max(logits, axis=-1, keepdims=True)
@@ -188,7 +189,8 @@ def _inverse_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
     blk = _first_above(cb, u[0] * cb[..., -1:], block_mass)
     pb = jnp.take_along_axis(p, blk[..., None, None], axis=-2)[..., 0, :]  # [..., BLOCK]
     cw = jnp.cumsum(pb, axis=-1)
-    return (blk * _BLOCK + _first_above(cw, u[1] * cw[..., -1:], pb)).astype(jnp.int32)
+    tok = (blk * _BLOCK + _first_above(cw, u[1] * cw[..., -1:], pb)).astype(jnp.int32)
+    return tok, m[..., 0] + jnp.log(cb[..., -1])
 
 
 def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
@@ -213,6 +215,7 @@ def sample_with_uniforms(logits: jax.Array, u, config: SamplingConfig) -> tuple[
 
     scaled = logits / config.temperature
     vocab = logits.shape[-1]
+    unfiltered = not 0 < config.top_k < vocab and config.top_p >= 1.0
     if 0 < config.top_k < vocab:
         vals, idx = jax.lax.top_k(scaled, config.top_k)  # [B, k], sorted descending
         if config.top_p < 1.0:
@@ -220,22 +223,20 @@ def sample_with_uniforms(logits: jax.Array, u, config: SamplingConfig) -> tuple[
             before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each (sorted) entry
             keep = (before < config.top_p).at[..., 0].set(True)
             vals = jnp.where(keep, vals, -jnp.inf)
-        choice = _inverse_cdf(u, vals)
+        choice, log_z = _inverse_cdf(u, vals)
         tok = _take(idx, choice).astype(jnp.int32)
-        filtered_lp = _logprob_at(vals, choice)
+        filtered_lp = _take(vals, choice) - log_z
     else:
         filtered = scaled
         if config.top_p < 1.0:
             keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), config.top_p)
             filtered = jnp.where(keep, scaled, -jnp.inf)
-        tok = _inverse_cdf(u, filtered)
-        filtered_lp = None if filtered is scaled else _logprob_at(filtered, tok)
+        tok, log_z = _inverse_cdf(u, filtered)
+        filtered_lp = _take(filtered, tok) - log_z   # log-prob under the distribution sampled from
 
     if config.logprobs_of == "raw":
-        lp = _logprob_at(logits, tok)
-    elif config.logprobs_of == "sampling" and filtered_lp is not None:
-        lp = filtered_lp
-    else:  # "tempered", or "sampling" without any filter (the same distribution)
-        lp = _logprob_at(scaled, tok)
-    return tok, lp
+        return tok, _logprob_at(logits, tok)
+    if config.logprobs_of == "sampling" or unfiltered:   # unfiltered: that distribution is the tempered one
+        return tok, filtered_lp
+    return tok, _logprob_at(scaled, tok)   # "tempered" after a top-k / top-p filter
 
