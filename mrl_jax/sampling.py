@@ -15,7 +15,6 @@ Behaviour log-probs (``Rollout.logprobs``) -- which distribution (``SamplingConf
   filtered, renormalised); 0 for greedy (a point mass). Use it for exact importance weights of the
   sampler itself.
 * ``"raw"``: ``log_softmax(logits)[token]``, the temperature-1 unfiltered model distribution.
-
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ _LOGPROBS_OF = ("tempered", "sampling", "raw")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How to sample. Frozen and hashable: it is a static argument of the jitted :func:`generate`.
+    """How to sample. Frozen and hashable: it is a static argument of the jitted :func:`mrl_jax.rollout.generate`.
 
     Attributes:
       max_new_tokens: N, the number of decode steps (output length). >= 1.

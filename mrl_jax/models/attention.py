@@ -83,7 +83,7 @@ class SampleCache:
         pmask = pmask.astype(bool)
         if num_rows == pmask.shape[0]:   # G = 1: the prompt's slots lead the generated ones (joint layout)
             return cls(pk=(), pv=(), gk=pk, gv=pv, pmask=pmask).grow(gen_len)
-        P, K, D, _ = pk[0].shape
+        _, K, D, _ = pk[0].shape
         zk = jnp.zeros((num_rows, K, D, gen_len), pk[0].dtype)
         zv = jnp.zeros((num_rows, K, gen_len, D), pv[0].dtype)
         return cls(pk=pk, pv=pv, gk=(zk,) * L, gv=(zv,) * L, pmask=pmask)
@@ -294,12 +294,7 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     B, T, H, D = q.shape
     P, K, Tp, _ = cache.pv[layer].shape
     G, g = B // P, H // K
-    j = jnp.asarray(gen_index, jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-    dt = cache.gk[layer].dtype
-    gk = jax.lax.dynamic_update_slice(cache.gk[layer], k.reshape(B, K, D, 1).astype(dt), (zero, zero, zero, j))
-    gv = jax.lax.dynamic_update_slice(cache.gv[layer], v.reshape(B, K, 1, D).astype(dt), (zero, zero, j, zero))
-    cache = cache.replace(gk=_set(cache.gk, layer, gk), gv=_set(cache.gv, layer, gv))
+    cache, gk, gv = _write_step(cache, layer, k, v, gen_index)
     pmask, gmask = masks
     qb = q.reshape(B, K, g, D)
     qp = qb.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
@@ -331,12 +326,7 @@ def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_inde
     B, T, H, D = q.shape
     K = k.shape[2]
     g = H // K
-    j = cache.pmask.shape[1] + jnp.asarray(gen_index, jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-    dt = cache.gk[layer].dtype
-    gk = jax.lax.dynamic_update_slice(cache.gk[layer], k.reshape(B, K, D, 1).astype(dt), (zero, zero, zero, j))
-    gv = jax.lax.dynamic_update_slice(cache.gv[layer], v.reshape(B, K, 1, D).astype(dt), (zero, zero, j, zero))
-    cache = cache.replace(gk=_set(cache.gk, layer, gk), gv=_set(cache.gv, layer, gv))
+    cache, gk, gv = _write_step(cache, layer, k, v, cache.pmask.shape[1] + jnp.asarray(gen_index, jnp.int32))
     s = jnp.einsum("bkqd,bkds->bkqs", q.reshape(B, K, g, D), gk.astype(q.dtype), preferred_element_type=jnp.float32)
     s = s * scale + _bias(mask)[:, None, None, :]
     m = s.max(-1, keepdims=True)
@@ -344,6 +334,16 @@ def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_inde
     o = jnp.einsum("bkqs,bksd->bkqd", e.astype(q.dtype), gv.astype(q.dtype), preferred_element_type=jnp.float32)
     o = o / e.sum(-1, keepdims=True)
     return o.astype(q.dtype).reshape(B, T, H, D), cache
+
+
+def _write_step(cache: SampleCache, layer: int, k, v, slot):
+    """Write the step's k, v [B, 1, K, D] at slot ``slot`` of layer ``layer``'s gk / gv. Returns (cache, gk, gv)."""
+    B, _, K, D = k.shape
+    zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
+    dt = cache.gk[layer].dtype
+    gk = jax.lax.dynamic_update_slice(cache.gk[layer], k.reshape(B, K, D, 1).astype(dt), (zero, zero, zero, slot))
+    gv = jax.lax.dynamic_update_slice(cache.gv[layer], v.reshape(B, K, 1, D).astype(dt), (zero, zero, slot, zero))
+    return cache.replace(gk=_set(cache.gk, layer, gk), gv=_set(cache.gv, layer, gv)), gk, gv
 
 
 def _set(xs: tuple, i: int, x) -> tuple:
