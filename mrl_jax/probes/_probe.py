@@ -26,7 +26,7 @@ def _id_loss_terms(logp, rows):
 
 
 class Probe(NamedTuple):
-    """A sharing probe: named tuple of pure functions (identities by default), see the module docstring.
+    """A sharing probe: named tuple of pure functions (identities by default), see :mod:`mrl_jax.probes`.
 
     needs_peers: the objective appends the view's peer slots to the rows (else own rows only).
     needs_peer_logp: the objective fills old_logp of peer rows with a no-grad forward before ``extend``.
