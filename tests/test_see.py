@@ -218,3 +218,58 @@ def test_make_view_equals_the_slot_by_slot_build(rows, Tc, C, eos_id, seed):
                        pad_id=3, eos_id=eos_id)
     for k, v in _view_by_rows(sel, aligned, Tc, C, 3, eos_id).items():
         np.testing.assert_array_equal(np.asarray(getattr(view, k)), v, err_msg=k)
+
+
+def _ref_insert(rec: dict, entries, keep, dedup: bool, cap: int, per_prompt_cap: int):
+    """Sequential insertion written out in Python (the spec of ``_insert``): each kept entry in order goes to the
+    ring pointer, or over its prompt's oldest record when the prompt already holds ``per_prompt_cap``; with
+    ``dedup`` an entry equal to a stored one (source, prompt, text) is skipped. Returns (added, dup, evicted)."""
+    added = dup = ev = 0
+    for (pid, src, text, r), k in zip(entries, keep):
+        if not k:
+            continue
+        same = [i for i in range(cap) if rec["valid"][i] and rec["prompt_id"][i] == pid]
+        if dedup and any(rec["source"][i] == src and rec["text"][i] == text for i in same):
+            dup += 1
+            continue
+        full = len(same) >= per_prompt_cap
+        slot = min(same, key=lambda i: rec["stamp"][i]) if full else rec["ptr"]
+        ev += bool(rec["valid"][slot])
+        for f, v in (("prompt_id", pid), ("source", src), ("text", text), ("reward", r)):
+            rec[f][slot] = v
+        rec["stamp"][slot], rec["valid"][slot] = rec["counter"], True
+        rec["counter"] += 1
+        if not full:
+            rec["ptr"] = (rec["ptr"] + 1) % cap
+        added += 1
+    return added, dup, ev
+
+
+@settings(max_examples=25, deadline=None)
+@given(rounds=st.lists(st.lists(st.tuples(st.integers(-1, 3), st.integers(0, 1), st.sampled_from(["a", "b", "cc"]),
+                                          st.sampled_from([0.0, 1.0])), min_size=1, max_size=10),
+                       min_size=1, max_size=4))
+def test_add_equals_the_sequential_insertion(rounds):
+    cap, ppc, scap, sppc = 6, 3, 4, 2
+    buf = S.init(cap, 16, 8, num_policies=2, num_prompts=4, success_capacity=scap, per_prompt_cap=ppc,
+                 success_per_prompt_cap=sppc, tau=1.0)
+    fresh = lambda n: {"prompt_id": [-1] * n, "source": [-1] * n, "text": [None] * n, "reward": [0.0] * n,
+                       "stamp": [0] * n, "valid": [False] * n, "ptr": 0, "counter": 0}
+    ro, su = fresh(cap), fresh(scap)
+    for rnd, entries in enumerate(rounds):
+        pids, srcs, texts, rewards = (list(x) for x in zip(*entries))
+        buf, info = _add(buf, _exp(texts, pids, srcs, rewards, rnd=rnd, rows=16))
+        valid = [p >= 0 for p in pids]
+        a, _, e = _ref_insert(ro, entries, valid, False, cap, ppc)
+        sa, sd, se = _ref_insert(su, entries, [v and r >= 1.0 for v, r in zip(valid, rewards)], True, scap, sppc)
+        assert (int(info["added"]), int(info["evicted"])) == (a, e)
+        assert (int(info["successes_added"]), int(info["success_duplicates"]), int(info["successes_evicted"])) \
+            == (sa, sd, se)
+        for rec, ref in ((buf.rollouts, ro), (buf.successes, su)):
+            valid_now = np.asarray(rec.valid)
+            assert valid_now.tolist() == ref["valid"] and int(rec.ptr) == ref["ptr"]
+            assert np.asarray(rec.prompt_id)[valid_now].tolist() == [p for p, v in zip(ref["prompt_id"], valid_now)
+                                                                     if v]
+            assert np.asarray(rec.stamp)[valid_now].tolist() == [s for s, v in zip(ref["stamp"], valid_now) if v]
+            assert [S.decode_text(rec, i) for i in np.nonzero(valid_now)[0]] == \
+                [t for t, v in zip(ref["text"], ref["valid"]) if v]

@@ -26,7 +26,7 @@ bias it towards novel outputs. De-duplication belongs to the success archive onl
 (source, prompt id, text length, text hash) as an archived one is not archived again.
 Byte budget: a text longer than ``max_bytes`` is cut, marked ``truncated`` and never archived as a success
 (``info["texts_cut"]`` counts them), so no consumer is taught a cut text as a verified answer.
-``add`` is a ``lax.scan`` over the new entries: one compile per (buffer, experience) shape.
+``add`` is a ``lax.while_loop`` over the kept new entries: one compile per (buffer, experience) shape.
 
 Modules: ``_records`` (the records, the buffer, ``make_experience``, ``add``), ``_views`` (the per-consumer views).
 """

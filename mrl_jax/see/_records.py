@@ -1,5 +1,5 @@
 """The SEE's typed records and buffer (flax.struct pytrees), experience construction and the pure insertion
-(``add``: a ``lax.scan`` over the new entries). See :mod:`mrl_jax.see`."""
+(``add``: a loop over the kept new entries). See :mod:`mrl_jax.see`."""
 
 from __future__ import annotations
 
@@ -193,13 +193,14 @@ _ROW_FIELDS = ("prompt_id", "source", "text", "text_len", "text_hash", "reward",
 
 
 def _insert(rec: RolloutRecord, exp: Experience, keep: jax.Array, dedup: bool):
-    """Insert the entries of exp where keep, sequentially (lax.scan); dedup: skip an entry equal to a
-    stored one (same source, prompt, text). Returns (rec, added, dup, evicted)."""
+    """Insert the entries of exp where keep, one after the other in their order; dedup: skip an entry equal to
+    a stored one (same source, prompt, text). Returns (rec, added, dup, evicted). The loop visits only the kept
+    entries (moved to the front, order kept): an entry not kept changes nothing."""
     cap = rec.capacity
-    h = text_hash(exp.text, exp.text_len)
-    xs = {f: getattr(exp, f) for f in _ROW_FIELDS if f != "text_hash"}
-    xs["text_hash"] = h
-    xs["keep"] = keep
+    order = jnp.argsort(~keep, stable=True)
+    xs = {f: getattr(exp, f)[order] for f in _ROW_FIELDS if f != "text_hash"}
+    xs["text_hash"] = text_hash(exp.text, exp.text_len)[order]
+    xs["keep"] = keep[order]
 
     def step(r, x):
         same_p = r.valid & (r.prompt_id == x["prompt_id"])
@@ -220,8 +221,14 @@ def _insert(rec: RolloutRecord, exp: Experience, keep: jax.Array, dedup: bool):
         upd["counter"] = r.counter + write.astype(jnp.int32)
         return r.replace(**upd), jnp.stack([write, x["keep"] & dup, evicted]).astype(jnp.int32)
 
-    rec, flags = jax.lax.scan(step, rec, xs)
-    added, dup, ev = jnp.sum(flags, 0)
+    def body(carry):
+        i, r, flags = carry
+        r, f = step(r, {k: v[i] for k, v in xs.items()})
+        return i + 1, r, flags + f
+
+    n = jnp.sum(keep.astype(jnp.int32))
+    _, rec, (added, dup, ev) = jax.lax.while_loop(lambda c: c[0] < n, body,
+                                                  (jnp.int32(0), rec, jnp.zeros((3,), jnp.int32)))
     return rec, added, dup, ev
 
 
