@@ -48,7 +48,7 @@ class SamplingConfig:
         distribution actually sampled from) or "raw" (temperature 1, unfiltered). See module docstring.
       stop_early: with an eos_id, exit the decode loop as soon as every row has stopped
         (``lax.while_loop``). False: always run max_new_tokens steps (``lax.fori_loop``).
-      cache_bucket: the smallest length bucket of the generated part of the cache (:func:`gen_buckets`);
+      cache_bucket: the smallest length bucket of the generated part of the cache (:func:`mrl_jax.rollout.gen_buckets`);
         each further bucket doubles it and adds one decode loop to the compiled program (compile time),
         so the default keeps generations of <= 65 tokens in one loop.
     """
