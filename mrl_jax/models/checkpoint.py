@@ -34,10 +34,19 @@ _LLAMA_LAYER = [(f"self_attn.{p}.{w}", ("self_attn", p, o), w == "weight")
 _LLAMA_LAYER += [(f"mlp.{p}.{w}", ("mlp", p, o), w == "weight")
                  for p in ("gate_proj", "up_proj", "down_proj") for w, o in (("weight", "kernel"), ("bias", "bias"))]
 _LLAMA_LAYER += [(f"{n}.weight", (n, "scale"), False) for n in ("input_layernorm", "post_attention_layernorm")]
+_LEAF = {"kernel": "weight", "scale": "weight", "bias": "bias"}
 _GPT2_LAYER = [(f"{m}.{w}", tuple(m.split(".")) + (o,), False)
                for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
                for w, o in (("weight", "kernel"), ("bias", "bias"))]
 _GPT2_LAYER += [(f"{n}.{w}", (n, o), False) for n in ("ln_1", "ln_2") for w, o in (("weight", "scale"), ("bias", "bias"))]
+
+
+def _llama_layer_name(p: Tuple, family: str) -> Tuple[str, bool]:
+    """(HF suffix, transpose) of a llama-family layer param outside ``_LLAMA_LAYER`` (q/k norms, fused
+    qkv_proj / gate_up_proj, gemma's feed-forward norms): the module path with kernel/scale/bias renamed."""
+    if family == "gpt2" or p[-1] not in _LEAF:
+        raise KeyError(f"no HF name for parameter {'.'.join(map(str, p))}")
+    return ".".join(p[:-1]) + "." + _LEAF[p[-1]], p[-1] == "kernel"
 
 
 def _name_map(paths: List[Tuple], family: str, prefix: str) -> Dict[Tuple, Tuple[str, bool]]:
@@ -55,7 +64,7 @@ def _name_map(paths: List[Tuple], family: str, prefix: str) -> Dict[Tuple, Tuple
         if p == ("lm_head", "kernel"):
             out[p] = ("lm_head.weight", True)
         elif p[0] == "layers":
-            hf, t = inv[tuple(p[2:])]
+            hf, t = inv.get(tuple(p[2:])) or _llama_layer_name(p[2:], family)
             out[p] = (f"{prefix}{hf_layers}.{p[1]}.{hf}", t)
         else:
             hf, t = top[tuple(p)]
