@@ -11,7 +11,10 @@ from typing import Any, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
-from .rope import SUPPORTED_ROPE_TYPES, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
+from .rope import SUPPORTED_ROPE_TYPES, rope_inv_freq
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS", "LAYER_TYPES", "CheckpointError",
+           "ModelConfig", "canonical_dtype", "rope_inv_freq"]
 
 # HF model_type -> our architecture family.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "qwen3": "llama", "phi3": "llama",
