@@ -13,6 +13,9 @@ FAMILIES = {
     "qwen2": dict(),  # qkv bias, tied
     "mistral": dict(sliding_window=3, head_dim=32, num_kv_heads=1),  # window < sequence, explicit head_dim
     "gpt2": dict(),
+    "qwen3": dict(),  # q/k norm, head_dim 24 != 64 / 4
+    "phi3": dict(),  # fused qkv / gate_up, partial rotary
+    "gemma3_text": dict(sliding_window=3),  # sliding + global layers (window < sequence), (1 + w) norms
 }
 
 
@@ -154,6 +157,12 @@ def test_param_paths_are_readable():
     assert "layers.0.self_attn.o_proj.bias" not in qwen
     gpt2 = _paths("gpt2")
     assert {"wte.embedding", "wpe.embedding", "layers.0.attn.c_attn.kernel", "ln_f.bias"} <= gpt2
+    assert {"layers.0.self_attn.q_norm.scale", "layers.0.self_attn.k_norm.scale"} <= _paths("qwen3")
+    phi = _paths("phi3")
+    assert {"layers.0.self_attn.qkv_proj.kernel", "layers.0.mlp.gate_up_proj.kernel"} <= phi
+    assert "layers.0.self_attn.q_proj.kernel" not in phi and "layers.0.mlp.up_proj.kernel" not in phi
+    assert {"layers.1.pre_feedforward_layernorm.scale", "layers.1.post_feedforward_layernorm.scale",
+            "layers.1.self_attn.k_norm.scale"} <= _paths("gemma3_text")
 
 
 def test_tiny_config_defaults_and_overrides():
@@ -184,15 +193,16 @@ def test_from_hf_legacy_and_unsupported_configs():
     qwen = ModelConfig.from_hf(dict(base, model_type="qwen2", use_sliding_window=False, sliding_window=4096,
                                     rope_scaling=None))
     assert qwen.sliding_window is None and qwen.qkv_bias and not qwen.o_bias and qwen.rope_type == "default"
-    with pytest.raises(CheckpointError, match="x/config.json.*'yarn'"):
-        ModelConfig.from_hf(dict(base, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    with pytest.raises(CheckpointError, match="x/config.json: rope_scaling type 'dynamic'"):
+        ModelConfig.from_hf(dict(base, model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
                             source="x/config.json")
     with pytest.raises(CheckpointError, match="x/config.json.*'num_hidden_layers'"):
         ModelConfig.from_hf({k: v for k, v in dict(base, model_type="qwen2").items() if k != "num_hidden_layers"},
                             source="x/config.json")
 
 
-@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("gpt2", {}), ("mistral", {"sliding_window": 5})])
+@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("gpt2", {}), ("mistral", {"sliding_window": 5}), ("qwen3", {}),
+                                          ("phi3", {}), ("gemma3_text", {"sliding_window": 4})])
 def test_hidden_prefix_equals_the_repeated_prompt_rows_with_gradients(family, extra):
     """Each prompt computed once for its M completions: hidden states and the gradient of a loss on them equal
     ``hidden`` on [prompt ++ completion] rows (left-padded prompts, ragged completions, sliding window)."""
