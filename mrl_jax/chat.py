@@ -11,9 +11,14 @@ when the model wants one), exactly as ``apply_chat_template(tokenize=True)`` doe
     fmt = PromptFormat.chat_from(folder, system_prompt="Be brief.")   # or PromptFormat("Q: {prompt}\\nA:")
     ids = fmt.encode(tokenizer, ["What is 2+3?"])                     # list[list[int]]
 
-``stop_ids(tokenizer, folder, extra)`` is the policy's stop set: the tokenizer's EOS, every id of
+``template_kwargs`` go to the template as TRL's ``chat_template_kwargs`` do (e.g. Qwen3's
+``enable_thinking: false``).
+
+``stop_ids(tokenizer, folder, extra, chat=...)`` is the policy's stop set: the tokenizer's EOS, every id of
 ``generation_config.json``'s ``eos_token_id`` (an int or a list: Llama-3 ``<|eot_id|>``, Qwen ``<|im_end|>``,
-Phi-3 ``<|end|>``) and the config's ``stop_tokens``; the sampler ends a row on any of them.
+Phi-3 ``<|end|>``), for a chat policy the turn-end tokens of the known families that its tokenizer has
+(``TURN_END_TOKENS``: a chat turn ends there whatever ``generation_config.json`` says), and the config's
+``stop_tokens``; the sampler ends a row on any of them.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from typing import Sequence
 
 from mrl_jax.tokenization import Tokenizer
 
-__all__ = ["ChatTemplateError", "PromptFormat", "as_prompt_format", "read_chat_template", "stop_ids",
+__all__ = ["ChatTemplateError", "PromptFormat", "TURN_END_TOKENS", "as_prompt_format", "read_chat_template", "stop_ids",
            "tokenizer_folder"]
+
+# the token ending an assistant turn: ChatML (Qwen), Gemma, Phi-3 / Phi-4, Llama 3
+TURN_END_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|end|>", "<|eot_id|>")
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -72,8 +80,9 @@ def read_chat_template(folder: str | Path) -> str:
 class _ChatRenderer:
     """``render(texts) -> list[str]`` through transformers' ``apply_chat_template`` (built on first use)."""
 
-    def __init__(self, folder: Path, template: str, system_prompt: str | None):
+    def __init__(self, folder: Path, template: str, system_prompt: str | None, template_kwargs: dict):
         self.folder, self.template, self.system_prompt = folder, template, system_prompt
+        self.template_kwargs = dict(template_kwargs)
         self._hf = None
 
     def _tokenizer(self):
@@ -98,8 +107,8 @@ class _ChatRenderer:
     def render(self, texts: Sequence[str]) -> list[str]:
         hf = self._tokenizer()
         try:
-            return [hf.apply_chat_template(self.messages(t), add_generation_prompt=True, tokenize=False)
-                    for t in texts]
+            return [hf.apply_chat_template(self.messages(t), add_generation_prompt=True, tokenize=False,
+                                           **self.template_kwargs) for t in texts]
         except Exception as e:  # jinja2 raises TemplateError subclasses (e.g. "System role not supported")
             raise ValueError(f"{self.folder / 'tokenizer_config.json'}: rendering its 'chat_template' failed "
                              f"({type(e).__name__}: {e}); drop system_prompt or fix the template") from e
@@ -114,9 +123,12 @@ class PromptFormat:
     chat: _ChatRenderer | None = None
 
     @classmethod
-    def chat_from(cls, folder: str | Path, system_prompt: str | None = None) -> "PromptFormat":
+    def chat_from(cls, folder: str | Path, system_prompt: str | None = None,
+                  template_kwargs: dict | None = None) -> "PromptFormat":
+        """The chat template of ``folder``; ``template_kwargs``: extra template variables (TRL's
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}`` for Qwen3)."""
         folder = Path(folder)
-        return cls(chat=_ChatRenderer(folder, read_chat_template(folder), system_prompt))
+        return cls(chat=_ChatRenderer(folder, read_chat_template(folder), system_prompt, template_kwargs or {}))
 
     @property
     def is_chat(self) -> bool:
@@ -151,16 +163,19 @@ def _ids(value) -> list[int]:
 
 
 def stop_ids(tokenizer: Tokenizer, folder: str | Path | None = None,
-             extra: Sequence[int | str] = ()) -> tuple[int, ...]:
+             extra: Sequence[int | str] = (), *, chat: bool = False) -> tuple[int, ...]:
     """The stop set, in order, without repeats: tokenizer EOS, ``folder/generation_config.json``'s
-    ``eos_token_id`` (int or list), then ``extra`` (token spellings or ids). Raises ``ValueError`` naming an
-    ``extra`` entry that is not a token of ``tokenizer``."""
+    ``eos_token_id`` (int or list), with ``chat`` the ``TURN_END_TOKENS`` the tokenizer has, then ``extra``
+    (token spellings or ids). Raises ``ValueError`` naming an ``extra`` entry that is not a token of
+    ``tokenizer``."""
     out: list[int] = []
     if tokenizer.eos_id is not None:
         out.append(int(tokenizer.eos_id))
     if folder is not None:
         gen = _read_json(Path(folder) / "generation_config.json")
         out += [i for i in _ids(gen.get("eos_token_id")) if 0 <= i < tokenizer.vocab_size]
+    if chat:
+        out += [i for i in map(tokenizer.token_to_id, TURN_END_TOKENS) if i is not None]
     for t in extra:
         i = t if isinstance(t, int) else tokenizer.token_to_id(t)
         if i is None or not 0 <= int(i) < tokenizer.vocab_size:

@@ -201,3 +201,32 @@ def test_chat_policy_trains_exports_and_evaluates_with_its_template(shared_token
     assert PromptFormat.chat_from(out, "Add the numbers.").encode(load_tokenizer(out), ["12+34="])[0] == hf_ids
     got = evaluate_exported(run / "config.json", out, "smol")["eval"]["smol"]
     assert got == evaluate_from_yaml(run / "config.json", run)["eval"]["smol"]
+
+
+def test_chat_policies_stop_at_their_turn_end_token(shared_tokenizers_dir):
+    """<|end|> ends a Phi-3 chat turn even without generation_config.json; a template policy keeps the EOS."""
+    phi_dir = shared_tokenizers_dir / "phi-3-mini"
+    phi = load_tokenizer(phi_dir)
+    assert stop_ids(phi, phi_dir, chat=True) == (32000, 32007)
+    chat = from_dict(PolicySpec, {"name": "p", "prompt_format": "chat", "tokenizer": {"path": str(phi_dir)}})
+    assert build_stop_ids(chat, phi) == (32000, 32007)
+    plain = from_dict(PolicySpec, {"name": "p", "tokenizer": {"path": str(phi_dir)}})
+    assert build_stop_ids(plain, phi) == (32000,)
+
+
+def test_chat_template_kwargs_reach_the_template(shared_tokenizers_dir, tmp_path):
+    shutil.copytree(shared_tokenizers_dir / "smollm2-135m", tmp_path / "q")
+    conf = json.loads((tmp_path / "q" / "tokenizer_config.json").read_text())
+    conf["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}<|im_start|>assistant\n"
+                             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    (tmp_path / "q" / "tokenizer_config.json").write_text(json.dumps(conf))
+    tok = load_tokenizer(tmp_path / "q")
+    spec = from_dict(PolicySpec, {"name": "q", "prompt_format": "chat", "tokenizer": {"path": str(tmp_path / "q")},
+                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert build_prompt_format(spec, tok).render(["hi"]) == [
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+    think = from_dict(PolicySpec, {"name": "q", "prompt_format": "chat", "tokenizer": {"path": str(tmp_path / "q")}})
+    assert build_prompt_format(think, tok).render(["hi"])[0].endswith("assistant\n")
+    with pytest.raises(ConfigError, match="chat_template_kwargs"):
+        from_dict(PolicySpec, {"name": "q", "chat_template_kwargs": {"enable_thinking": False}})

@@ -94,7 +94,7 @@ class WarmStartSpec:
     batch_size: int = field(64, help="SFT examples per step")
 
 
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
                         "c_attn", "c_proj", "c_fc")
 
 
@@ -150,6 +150,9 @@ class PolicySpec:
                          "tokenizer folder's chat_template (tokenizer_config.json) rendered by transformers as a "
                          "user turn with the generation prompt")
     system_prompt: Optional[str] = field(None, help="prompt_format: chat: a system turn before the user turn")
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=dict, help="prompt_format: chat: extra chat-template variables, as TRL's "
+                                   "chat_template_kwargs (e.g. {enable_thinking: false} for Qwen3)")
     stop_tokens: list[Union[int, str]] = field(
         default_factory=list, help="extra stop tokens (spellings such as '<|im_end|>', or ids), added to the "
                                    "tokenizer's EOS and generation_config.json's eos_token_id list")
@@ -175,6 +178,8 @@ class PolicySpec:
               f"must contain '{{prompt}}', got {self.prompt_template!r}")
         check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
               "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
+        check(not self.chat_template_kwargs or self.prompt_format == "chat", "chat_template_kwargs",
+              "is used only with prompt_format: chat; set prompt_format: chat")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
         check(self.cost >= 0, "cost", f"must be >= 0 (0 = automatic), got {self.cost}")
         if isinstance(self.devices, int):

@@ -112,7 +112,8 @@ def build_prompt_format(spec: PolicySpec, tokenizer: Tokenizer) -> PromptFormat:
                           "policy's tokenizer is trained locally; set tokenizer.path (or model.path) or use "
                           "prompt_format: template")
     try:
-        return PromptFormat.chat_from(folder, system_prompt=spec.system_prompt)
+        return PromptFormat.chat_from(folder, system_prompt=spec.system_prompt,
+                                      template_kwargs=spec.chat_template_kwargs)
     except ValueError as e:
         raise ConfigError(f"config key '{key}': {e}") from e
 
@@ -122,7 +123,7 @@ def build_stop_ids(spec: PolicySpec, tokenizer: Tokenizer) -> tuple[int, ...]:
     folder = tokenizer_folder(tokenizer)
     gen_folder = Path(spec.model.path) if spec.model.path else folder
     try:
-        ids = stop_ids(tokenizer, gen_folder, spec.stop_tokens)
+        ids = stop_ids(tokenizer, gen_folder, spec.stop_tokens, chat=spec.prompt_format == "chat")
         if folder is not None and gen_folder != folder:
             ids = tuple(dict.fromkeys(ids + stop_ids(tokenizer, folder)))
         return ids
