@@ -143,3 +143,45 @@ def test_config_round_trip():
         again = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
         assert ModelConfig.from_hf(again.to_dict()) == cfg, family
         assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg, family
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3_text"])
+def test_sampler_cache_equals_full_forward(family):
+    """generate (prompt-shared cache, G = 2) logprobs == the full forward's; gemma's window 3 is shorter than
+    prompt + completion, so both the sliding and the global layer's masks are exercised."""
+    from mrl_jax import models
+    from mrl_jax.rollout import SamplingConfig, generate, left_pad
+
+    extra = {"sliding_window": 3} if family == "gemma3_text" else {}
+    g, p = nnx.split(models.tiny_model(family, 61, seed=3, hidden_size=32, intermediate_size=64, **extra))
+    rng = np.random.default_rng(0)
+    p = jax.tree_util.tree_map(lambda x: x * 3.0 + 0.2 * rng.standard_normal(x.shape).astype(np.float32), p)
+    ids, mask = (jax.numpy.asarray(a) for a in left_pad([[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]], 0, length=7))
+    out = generate(g, p, ids, mask, jax.random.key(2), SamplingConfig(max_new_tokens=6, pad_id=0), num_samples=2)
+    rids, rmask = np.repeat(np.asarray(ids), 2, 0), np.repeat(np.asarray(mask), 2, 0)
+    seq = np.concatenate([rids, np.asarray(out.tokens)], 1)
+    full = np.asarray(nnx.merge(g, p)(seq, attention_mask=np.concatenate([rmask, np.ones_like(out.mask)], 1)))
+    lp = jax.nn.log_softmax(full[:, 6:6 + out.tokens.shape[1]], -1)
+    lp = np.take_along_axis(np.asarray(lp), np.asarray(out.tokens)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), lp, atol=2e-4)
+
+
+def test_fsdp_rules_shard_fused_kernels_and_replicate_norms():
+    from jax.sharding import PartitionSpec as P
+
+    from mrl_jax import models, mwra
+
+    class Mesh8:
+        shape, axis_names = {"data": 8}, ("data",)
+
+    for family in ("qwen3", "phi3", "gemma3_text"):
+        state = nnx.state(nnx.eval_shape(lambda: models.tiny_model(family, 128)), nnx.Param)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            s = mwra.path_str(path)
+            spec = mwra.spec_for(s, leaf.shape, Mesh8(), min_size=0)
+            if s.endswith("scale"):   # q_norm / k_norm and gemma's four norms: replicated
+                assert spec == P(), s
+            elif s.endswith("kernel"):   # sharded along the larger dim (fused qkv [64, 128], gate_up [64, 256])
+                assert spec == (P("data") if leaf.shape[0] > leaf.shape[1] else P(None, "data")), s
+            if "qkv_proj" in s or "gate_up_proj" in s:
+                assert spec == P(None, "data"), s
