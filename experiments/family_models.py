@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from mrl_jax.tokenization import load_tokenizer, train_tokenizer
 from mrl_jax.trainer.run import task_corpus
 from mrl_jax.tasks import default_mixture
 
-PHI3_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "phi-3-mini"
+SHARED_TOKENIZERS = Path(os.environ.get("MRL_SHARED_TOKENIZERS", Path(__file__).resolve().parents[2] / "shared" /
+                                        "tokenizers"))
 
 QWEN3_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -67,9 +69,11 @@ def _save_model(family: str, vocab: int, folder: Path, seed: int, **ids) -> None
         {"bos_token_id": ids.get("bos_token_id"), "eos_token_id": eos, "pad_token_id": ids.get("pad_token_id")}))
 
 
-def build(out: str | Path, seed: int = 0) -> dict[str, Path]:
-    """Write the three directories under ``out``; returns {name: directory}."""
+def build(out: str | Path, seed: int = 0, phi3_tokenizer: str | Path | None = None) -> dict[str, Path]:
+    """Write the three directories under ``out``; returns {name: directory}. ``phi3_tokenizer``: the Phi-3-mini
+    tokenizer folder (default ``$MRL_SHARED_TOKENIZERS/phi-3-mini``, else ../shared/tokenizers/phi-3-mini)."""
     out = Path(out)
+    phi3_tok = Path(phi3_tokenizer) if phi3_tokenizer else SHARED_TOKENIZERS / "phi-3-mini"
     corpus = task_corpus(default_mixture(0, num_facts=32))
     dirs = {"qwen3": out / "qwen3", "gemma3": out / "gemma3", "phi3": out / "phi3"}
 
@@ -83,11 +87,11 @@ def build(out: str | Path, seed: int = 0) -> dict[str, Path]:
     _save_model("gemma3_text", vocab, dirs["gemma3"], seed + 1, bos_token_id=ids["<bos>"],
                 eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"])
 
-    if not (PHI3_TOKENIZER / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{PHI3_TOKENIZER}: the Phi-3-mini tokenizer fixture is missing")
+    if not (phi3_tok / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{phi3_tok}: the Phi-3-mini tokenizer fixture is missing (set MRL_SHARED_TOKENIZERS)")
     dirs["phi3"].mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(PHI3_TOKENIZER / f, dirs["phi3"] / f)
+        shutil.copyfile(phi3_tok / f, dirs["phi3"] / f)
     # the embedding sized to the tokenizer (32011 ids; the released Phi-3 pads it to 32064, ids the sampler
     # would have to mask in a random-init model)
     _save_model("phi3", load_tokenizer(dirs["phi3"]).vocab_size, dirs["phi3"], seed + 2, bos_token_id=1,
