@@ -185,3 +185,20 @@ def test_fsdp_rules_shard_fused_kernels_and_replicate_norms():
                 assert spec == (P("data") if leaf.shape[0] >= leaf.shape[1] else P(None, "data")), s
             if "qkv_proj" in s or "gate_up_proj" in s:
                 assert spec == P(None, "data"), s
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3_text"])
+def test_tiny_init_policies_of_the_new_families(family):
+    from mrl_jax.configs import from_dict
+    from mrl_jax.tokenization import train_tokenizer
+    from mrl_jax.trainer.config import PolicySpec
+    from mrl_jax.trainer.policy import build_model
+
+    spec = from_dict(PolicySpec, {"name": "p", "model": {"family": family, "num_layers": 3, "num_kv_heads": 1}})
+    tok = train_tokenizer("char", ["abc 123", "def 456"], 300)
+    model = build_model(spec, tok, seed=0)
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (family, 3, 1, tok.vocab_size)
+    if family == "gemma3_text":
+        assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg

@@ -14,7 +14,7 @@ from mrl_jax.configs import check, field
 from mrl_jax.learner import GRPOConfig
 from mrl_jax.probes import make_probe, run_option_conflicts
 
-MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+MODEL_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
 
 
@@ -23,7 +23,8 @@ class ModelSpec:
     """Where a policy's weights come from: a local Hugging Face directory, or a tiny random init."""
 
     path: Optional[str] = field(None, help="local HF directory (config.json + *.safetensors); None = tiny random init")
-    family: Literal["llama", "qwen2", "mistral", "gpt2"] = field("llama", help="tiny-init architecture family")
+    family: Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2"] = field(
+        "llama", help="tiny-init architecture family")
     hidden_size: int = field(64, help="tiny-init hidden size")
     num_layers: int = field(2, help="tiny-init number of layers")
     num_heads: int = field(4, help="tiny-init attention heads")
