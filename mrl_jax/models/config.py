@@ -200,7 +200,8 @@ class ModelConfig:
             raise CheckpointError(
                 f"{source}: model_type {mt!r} is not supported; supported model types: "
                 f"{sorted(SUPPORTED_MODEL_TYPES)} (Llama/SmolLM -> 'llama', Qwen2/2.5 -> 'qwen2', "
-                f"Mistral -> 'mistral', GPT-2 -> 'gpt2')")
+                f"Mistral -> 'mistral', Qwen3 -> 'qwen3', Gemma 3 text -> 'gemma3_text', Phi-3 / Phi-4-mini -> 'phi3', "
+                f"GPT-2 -> 'gpt2')")
         if param_dtype is None:
             param_dtype = "float32"
         if dtype is None:
