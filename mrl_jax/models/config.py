@@ -143,6 +143,9 @@ class ModelConfig:
             raise ValueError(f"layer_types entry {bad[0]!r} is not supported; use {list(LAYER_TYPES)}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+        if self.partial_rotary_factor != 1.0 and self.model_type != "phi3":
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor}: transformers rotates the whole head "
+                             f"for model_type {self.model_type!r}; only phi3 supports a partial rotary")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an even "
                              f"rotary dimension of head_dim {self.head_dim}")
@@ -356,6 +359,7 @@ def _hf_rope(hf: dict, mt: str):
         local = float(local or hf["rope_local_base_freq"])
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    partial = partial if mt == "phi3" else 1.0   # the other families' transformers code rotates the whole head
     kind = params.pop("rope_type", params.pop("type", "default"))
     params.pop("type", None)
     if mt == "phi3" and kind in ("su", "yarn"):

@@ -40,9 +40,11 @@ _TINY = {
 def model_class(config: ModelConfig) -> type:
     if config.family == "gpt2":
         return GPT2LMHeadModel
-    if config.model_type in _DECODER_TYPES or config.rope_type in ("yarn", "longrope"):
-        return DecoderForCausalLM
-    return LlamaForCausalLM
+    c = config
+    plain = (c.rope_type in ("default", "linear", "llama3") and c.partial_rotary_factor == 1.0
+             and c.rope_local_theta is None and c.query_pre_attn_scalar is None and c.final_logit_softcapping is None
+             and not (c.qk_norm or c.norm_plus_one or c.sandwich_norms or c.scale_embeddings or c.fused_projections))
+    return LlamaForCausalLM if plain and c.model_type not in _DECODER_TYPES else DecoderForCausalLM
 
 
 def build_model(config: ModelConfig, *, seed: int = 0) -> CausalLM:
