@@ -37,7 +37,15 @@ CASES = {
 }
 PLAN = {
     True: [("llama", "quick"), ("llama", "quick_g8")],
-    False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8")],
+    False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8"), ("qwen3", "demo_g8"),
+            ("phi3", "demo_g8"), ("gemma3_text", "demo_g8")],
+}
+# the distinctive parts of today's families at the case's shapes (head_dim as llama's)
+_FAMILY_EXTRAS = {
+    "qwen3": dict(tie_word_embeddings=True),
+    "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
+    "gemma3_text": dict(query_pre_attn_scalar=24, sliding_window=32,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -61,6 +69,13 @@ def _hf_model(family: str, s: dict, seed: int = 0):
             n_positions=max_pos, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
         model = transformers.GPT2LMHeadModel(cfg)
+    elif family in _FAMILY_EXTRAS:
+        cfg = transformers.AutoConfig.for_model(
+            family, vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
+            num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+            head_dim=s["hidden"] // s["heads"], max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2,
+            **{"pad_token_id": 0, **_FAMILY_EXTRAS[family]})
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     else:
         raise ValueError(family)
     return model.eval().to(torch.float32)

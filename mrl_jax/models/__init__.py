@@ -1,4 +1,5 @@
-"""Flax NNX causal LMs (Llama family: llama/qwen2/mistral; GPT-2) with HF safetensors I/O and a KV cache.
+"""Flax NNX causal LMs (Llama family: llama/qwen2/mistral, and qwen3/phi3/gemma3_text; GPT-2) with HF safetensors
+I/O and a KV cache.
 
     model = from_pretrained("path/to/hf_dir")            # or tiny_model("qwen2", vocab_size=256)
     logits = model(input_ids, attention_mask=mask)        # f32[B, T, V]
@@ -9,6 +10,7 @@
 from .attention import KVCache, SampleCache, attention, default_positions, make_mask
 from .checkpoint import check_tokenizer_fits, from_pretrained, hf_state_dict, read_config, save_pretrained
 from .config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
+from .decoder import DecoderForCausalLM
 from .factory import abstract_model, build_model, tiny_config, tiny_model
 from .gpt2 import GPT2LMHeadModel
 from .layers import CausalLM
@@ -19,5 +21,5 @@ __all__ = [
     "check_tokenizer_fits", "from_pretrained", "hf_state_dict", "read_config", "save_pretrained",
     "SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig",
     "abstract_model", "build_model", "tiny_config", "tiny_model",
-    "GPT2LMHeadModel", "LlamaForCausalLM", "CausalLM",
+    "DecoderForCausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "CausalLM",
 ]
