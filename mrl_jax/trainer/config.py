@@ -94,6 +94,33 @@ class WarmStartSpec:
     batch_size: int = field(64, help="SFT examples per step")
 
 
+RUN_SET_GRPO_KEYS = {"num_generations": "num_generations", "max_completion_length": "sampling.max_new_tokens",
+                     "temperature": "sampling.temperature"}   # grpo key -> the key that sets it in a run
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` of a run's policy: G, the completion length and the temperature are set once, by the run's
+    ``num_generations`` and the policy's ``sampling``; here they may only repeat those values."""
+
+    num_generations: Optional[int] = field(None, help="set by the run key num_generations; leave unset (a "
+                                                      "different value here is an error)")
+    max_completion_length: Optional[int] = field(None, help="set by policies[i].sampling.max_new_tokens; leave "
+                                                            "unset (a different value here is an error)")
+    temperature: Optional[float] = field(None, help="set by policies[i].sampling.temperature; leave unset (a "
+                                                    "different value here is an error)")
+
+    def __post_init__(self):
+        self.resolved(1, 1, 1.0)   # GRPOConfig's checks of every other key
+
+    def resolved(self, num_generations: int, max_completion_length: int, temperature: float) -> GRPOConfig:
+        """The ``GRPOConfig`` the learner uses, with the run-set values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)}
+        values.update(num_generations=num_generations, max_completion_length=max_completion_length,
+                      temperature=temperature)
+        return GRPOConfig(**values)
+
+
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                         "c_attn", "c_proj", "c_fc")
 
@@ -156,7 +183,7 @@ class PolicySpec:
     lora: LoraSpec = field(default_factory=LoraSpec, help="LoRA adapters (rank 0 = full fine-tuning)")
     sampling: SamplingSpec = field(default_factory=SamplingSpec, help="rollout sampling")
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec, help="optimizer")
-    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
+    grpo: PolicyGRPOConfig = field(default_factory=PolicyGRPOConfig, help="GRPO loss options (TRL names)")
     probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'; scale/eps/tau come "
                                       "from grpo.scale_rewards, grpo.reward_eps and see.success_threshold")
     ref_model: RefModelSpec = field(default_factory=RefModelSpec, help="KL reference (grpo.beta > 0)")
@@ -173,6 +200,11 @@ class PolicySpec:
     def __post_init__(self):
         check(self.prompt_format == "chat" or "{prompt}" in self.prompt_template, "prompt_template",
               f"must contain '{{prompt}}', got {self.prompt_template!r}")
+        for key in ("max_completion_length", "temperature"):
+            given, run_key = getattr(self.grpo, key), RUN_SET_GRPO_KEYS[key]
+            run_value = getattr(self.sampling, run_key.split(".")[1])
+            check(given is None or given == run_value, f"grpo.{key}",
+                  f"{given!r} contradicts this policy's {run_key}: {run_value!r}, which sets it; drop grpo.{key}")
         check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
               "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
         check(self.max_prompt_length >= 0, "max_prompt_length", f"must be >= 0, got {self.max_prompt_length}")
@@ -329,6 +361,10 @@ class RunConfig:
                           f"device {d} is also given to policy {claimed.get(d)!r}: sub-meshes must not overlap")
                     claimed[d] = p.name
         for i, p in enumerate(self.policies):
+            g = p.grpo.num_generations
+            check(g is None or g == self.num_generations, f"policies[{i}].grpo.num_generations",
+                  f"{g} contradicts num_generations: {self.num_generations}, which sets G for every policy; drop "
+                  f"policies[{i}].grpo.num_generations")
             bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
                                        tau=self.see.success_threshold)
             check(not bad, f"policies.{i}.probes", "; ".join(bad))

@@ -215,9 +215,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
     probe = make_probe(spec.probes)
-    grpo_cfg = dataclasses.replace(spec.grpo, num_generations=run.num_generations,
-                                   max_completion_length=spec.sampling.max_new_tokens,
-                                   temperature=spec.sampling.temperature)
+    grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
     if spec.lora.rank:
         update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     else:
