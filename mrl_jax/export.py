@@ -9,7 +9,10 @@ chosen round (default: the latest complete one) is restored into it, and the pol
 ``mrl_jax.models.save_pretrained`` (config.json + model.safetensors; ``transformers`` loads them with the same
 logits) next to its tokenizer files (tokenizer.json, tokenizer_config.json with any chat template,
 special_tokens_map.json, copied; or written for a locally trained tokenizer) and a ``generation_config.json``
-whose ``eos_token_id`` is the policy's stop set. ``mrl_export.json`` records where it came from. The run
+whose ``eos_token_id`` is the policy's stop set. The exported ``tokenizer_config.json`` names
+``tokenizer_class: PreTrainedTokenizerFast``: ``AutoTokenizer`` then runs tokenizer.json as it is, as the trainer
+did, so a deployed model gets the ids it was trained on (a model-specific class such as transformers 5's
+``LlamaTokenizer`` rebuilds the pipeline and encodes Phi-3's chat prompts differently). ``mrl_export.json`` records where it came from. The run
 directory is only read. Every refusal is one ``ExportError`` line naming the key or path and the fix.
 """
 
@@ -124,6 +127,10 @@ def write_tokenizer_files(policy, out: Path) -> list[str]:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
                 written.append(name)
+        conf = _read_json(out / "tokenizer_config.json")
+        if conf:   # AutoTokenizer: tokenizer.json as the trainer ran it, not a rebuilt model-specific pipeline
+            conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, ensure_ascii=False))
     model_dir = Path(policy.spec.model.path) if policy.spec.model.path else None
     gen = _read_json(model_dir / "generation_config.json") if model_dir else {}
     gen = gen or (_read_json(folder / "generation_config.json") if folder else {})
