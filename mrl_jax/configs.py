@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -38,6 +39,11 @@ def check(condition: bool, key: str, message: str) -> None:
     """Raise ``ConfigError`` naming ``key`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(f"config key '{key}': {message}")
+
+
+def config_warning(key: str, message: str) -> None:
+    """One line on stderr for a config that runs but probably not as meant: ``warning: config key '...': ...``."""
+    print(f"warning: config key '{key}': {message}", file=sys.stderr, flush=True)
 
 
 def _suggest(name: str, valid: list[str]) -> str:

@@ -315,7 +315,8 @@ class RunConfig:
     seed: int = field(0, help="run seed (params init, sampling, prompt order)")
     rounds: int = field(50, help="number of MRL rounds")
     prompts_per_round: int = field(32, help="prompts per round")
-    num_generations: int = field(8, help="completions per prompt per policy (G)")
+    num_generations: int = field(8, help="completions per prompt per policy (G); >= 2 (a group of one has no "
+                                         "spread, so no advantage)")
     see: SeeSpec = field(default_factory=SeeSpec, help="shared experience")
     mwra: MwraSpec = field(default_factory=MwraSpec, help="device placement of the policies (MWRA)")
     checkpoint_every: int = field(10, help="rounds between checkpoints")
@@ -348,6 +349,9 @@ class RunConfig:
         check(len(set(names)) == len(names), "policies", f"names must be unique, got {names}")
         for key in ("rounds", "prompts_per_round", "num_generations", "checkpoint_every", "keep_checkpoints"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        check(self.num_generations >= 2, "num_generations",
+              f"must be >= 2, got {self.num_generations}: GRPO's advantage is a reward's distance from its group's "
+              "mean, so a group of one never learns (TRL refuses it too)")
         check(self.reward_timeout_s > 0, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         for key in ("eval_prompts", "max_skipped_updates"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")

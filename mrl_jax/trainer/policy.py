@@ -17,7 +17,7 @@ from flax import nnx, struct
 
 from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
-from mrl_jax.configs import ConfigError
+from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, make_probe
@@ -130,6 +130,20 @@ def build_stop_ids(spec: PolicySpec, tokenizer: Tokenizer) -> tuple[int, ...]:
         raise ConfigError(f"config key 'policies.{spec.name}.stop_tokens': {e}") from e
 
 
+def warn_about_stops(spec: PolicySpec, tokenizer: Tokenizer, fmt: PromptFormat, stops: Sequence[int]) -> None:
+    """One warning line when no completion can end early: no stop token at all, or a chat template whose
+    end-of-turn token is not in the stop set."""
+    key = f"policies.{spec.name}.stop_tokens"
+    if not stops:
+        config_warning(key, "the tokenizer has no EOS and no stop token is configured, so every completion runs "
+                            f"to sampling.max_new_tokens ({spec.sampling.max_new_tokens}); add stop_tokens")
+    eot = fmt.chat.end_of_turn() if fmt.is_chat else None
+    if eot is not None and tokenizer.token_to_id(eot) not in stops:
+        config_warning(key, f"the chat template ends an assistant turn with {eot!r}, which is not a stop token "
+                            f"(stop set {list(stops)}), so completions run on past the answer; add "
+                            f"stop_tokens: [{eot!r}]")
+
+
 def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model."""
     m = spec.model
@@ -222,6 +236,8 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
         update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
+    prompt_format = build_prompt_format(spec, tokenizer)
+    warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
@@ -230,7 +246,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     see = run.see
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
                     probe=probe, optimizer=optimizer, update=update, ref_logp=ref_logp,
-                    prompt_format=build_prompt_format(spec, tokenizer), num_generations=run.num_generations,
+                    prompt_format=prompt_format, num_generations=run.num_generations,
                     view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
                                          peer_successes=see.peer_successes_per_prompt,
                                          own_successes=see.own_successes_per_prompt),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import see as see_lib
-from mrl_jax.configs import ConfigError
+from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.tasks import ArithmeticTask, JsonlTask, Prompt, StringTask, Task, default_mixture
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
@@ -215,6 +215,9 @@ class Run:
                 self.replacement.update((p.id, q) for p, q, o in zip(prompts, kept, over) if o)
             if split == "eval":
                 self.eval_prompts = kept
+        if len(self.eval_prompts) < self.cfg.eval_prompts:
+            config_warning("eval_prompts", f"{self.cfg.eval_prompts}, but the task has {len(self.eval_prompts)} "
+                                           "held-out prompts (after overlong_prompts); each evaluation uses those")
 
     def _sample_prompts(self, rng: np.random.Generator) -> tuple[list[Prompt], int]:
         """``prompts_per_round`` train prompts from ``rng``, rejected ones drawn again; (prompts, rejections)."""
