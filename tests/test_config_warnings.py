@@ -1,5 +1,7 @@
 """Configs that run but would not do what the user meant: a refusal (exit 2) or one warning line each."""
 
+import json
+
 import pytest
 
 from mrl_jax import models
@@ -66,3 +68,51 @@ def test_more_eval_prompts_than_the_task_has_warns(capsys):
     assert lines == [f"warning: config key 'eval_prompts': 500, but the task has {len(run.eval_prompts)} held-out "
                      "prompts (after overlong_prompts); each evaluation uses those"]
     assert len(run.eval_prompts) == 200
+
+
+def _gpt2_long_prompt_config(tmp_path, **policy):
+    rows = [{"prompt": "x" * (280 + 3 * i) + f" {i}+1=", "answer": str(i + 1)} for i in range(30)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return from_dict(RunConfig, {
+        "policies": [{"name": "g", "model": {"family": "gpt2", "hidden_size": 16, "num_layers": 1, "num_heads": 2},
+                      "tokenizer": {"kind": "char", "vocab_size": 300}, "sampling": {"max_new_tokens": 6},
+                      **policy}],
+        "task": {"name": "jsonl", "path": str(path)}, "rounds": 1, "prompts_per_round": 2, "num_generations": 2,
+        "eval_prompts": 2, "checkpoint_every": 1, "see": {"capacity": 16, "per_prompt_cap": 4}})
+
+
+def test_gpt2_prompts_longer_than_half_its_positions_run(tmp_path):
+    """~290-token prompts on GPT-2's 512 learned positions: the 512 bucket is cut to the prompt limit (506), so
+    prompt + 6 new tokens fit."""
+    from mrl_jax.trainer import train
+    from mrl_jax.trainer.encoding import encode_prompts
+
+    cfg = _gpt2_long_prompt_config(tmp_path)
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["policies"]["g"]["eval"]["n"] == 2
+    from mrl_jax.trainer import Run
+
+    pol = Run(cfg, place=False).policies[0]
+    ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, ["x" * 290], max_width=pol.prompt_limit)
+    assert pol.prompt_limit == 506 and ids.shape[1] == 506 and mask.sum() > 256
+
+
+def test_max_prompt_length_beyond_the_positions_is_refused_at_start(tmp_path):
+    from mrl_jax.trainer import Run
+
+    with pytest.raises(ConfigError) as e:
+        Run(_gpt2_long_prompt_config(tmp_path, max_prompt_length=10000), place=False)
+    msg = str(e.value)
+    assert "'policies.g.max_prompt_length': 10000 + sampling.max_new_tokens 6" in msg and "<= 506" in msg
+
+
+@pytest.mark.parametrize("longest, limit", [(1, 5), (7, 7), (9, 12), (100, 130), (300, 506), (513, 1000)])
+def test_prompt_width_is_a_bucket_cut_at_the_limit(longest, limit):
+    from mrl_jax.rollout import bucket_length
+    from mrl_jax.trainer.encoding import PROMPT_BUCKETS, encode_prompts
+
+    tok = train_tokenizer("char", ["xy"], 300)
+    ids, mask, _ = encode_prompts(tok, "{prompt}", ["x" * (longest - 1), "y"], max_width=limit)
+    assert ids.shape[1] == min(bucket_length(longest, PROMPT_BUCKETS), limit)
+    assert mask[0].sum() == longest and mask[0, -1]

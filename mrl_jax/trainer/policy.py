@@ -202,16 +202,23 @@ def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Ca
 
 
 def prompt_limit(spec: PolicySpec, model) -> int:
-    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length."""
-    if spec.max_prompt_length:
-        return spec.max_prompt_length
+    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length;
+    ``max_prompt_length + sampling.max_new_tokens`` beyond the model's positions is a ``ConfigError``."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    new = spec.sampling.max_new_tokens
     if context is None:
-        return 1 << 30
-    limit = int(context) - spec.sampling.max_new_tokens
+        return spec.max_prompt_length or 1 << 30
+    if spec.max_prompt_length:
+        if spec.max_prompt_length + new > context:
+            raise ConfigError(
+                f"config key 'policies.{spec.name}.max_prompt_length': {spec.max_prompt_length} + sampling."
+                f"max_new_tokens {new} exceeds the model's {context} positions (max_position_embeddings); set "
+                f"max_prompt_length <= {context - new} (or 0 = {context - new}).")
+        return spec.max_prompt_length
+    limit = int(context) - new
     if limit < 1:
-        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {spec.sampling.max_new_tokens} "
-                          f"leaves no room for a prompt in the model's context of {context} tokens; lower it.")
+        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {new} leaves no room for a "
+                          f"prompt in the model's context of {context} tokens; lower it.")
     return limit
 
 
