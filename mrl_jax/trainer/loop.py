@@ -183,6 +183,19 @@ def _write_plan(out: Path, run: Run, progress: bool) -> None:
         (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
 
 
+def _sft_figures(losses: Sequence[float]) -> dict:
+    """The SFT warm start's loss: steps, first, last and lowest step loss."""
+    return {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_min": min(losses)}
+
+
+def _show_warm_starts(run: Run) -> None:
+    """One progress line per warm-started policy: its SFT loss, first step -> last step."""
+    for name, losses in run.warm_start_losses.items():
+        f = _sft_figures(losses)
+        print(f"[warm start] {name}: {f['steps']} SFT steps, loss {f['loss_first']:.4f} -> {f['loss_last']:.4f} "
+              f"(lowest {f['loss_min']:.4f})", file=sys.stderr, flush=True)
+
+
 def _summary(run: Run, state: RunState, start: int) -> dict:
     """summary.json: rounds, resume point, prompt counts, per policy params, final eval and placement."""
     cfg = run.cfg
@@ -190,6 +203,8 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
     summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None, "prompts": run.prompt_stats,
                "policies": {p.name: {"params": param_count(s), "eval": final[p.name]}
                             for p, s in zip(run.policies, state.policies)}}
+    for name, losses in run.warm_start_losses.items():
+        summary["policies"][name]["warm_start"] = _sft_figures(losses)
     if run.placement is not None:
         summary["plan"] = run.placement.to_dict()
         for name, pl in placement_summary(run.placement, state.policies).items():
@@ -226,6 +241,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         log.truncate_after(start - 1)
     if primary:
         _write_plan(out, run, progress)
+        if progress:
+            _show_warm_starts(run)
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
     r = start
@@ -262,9 +279,15 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 def evaluate_from_yaml(config_path, run_dir) -> dict:
     """``mrl eval``: held-out success per policy from the run's latest checkpoint."""
     cfg = load_yaml(RunConfig, config_path)
-    run = Run(cfg)
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        raise CheckpointError(f"{run_dir} holds no run (no checkpoints/ directory); pass --run the --out directory "
+                              "of `mrl train`, or --model an exported model directory")
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
+        if ckpt.latest_round() is None:
+            raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet (one is written every "
+                                  "checkpoint_every rounds); evaluate once the run has written one")
+        run = Run(cfg)
         state, meta = ckpt.restore(run.state_template())
         state = run.place(state)
     finally:

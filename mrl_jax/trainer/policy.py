@@ -83,9 +83,17 @@ class Policy:
         return PolicyState(params=params, opt_state=self.optimizer.init(trainable), ref_params=ref_params)
 
 
+def _check_model_dir(spec: PolicySpec) -> None:
+    """``model.path`` names a directory (a file there would be blamed on the config.json it lacks)."""
+    if spec.model.path is not None and Path(spec.model.path).is_file():
+        raise ConfigError(f"config key 'policies.{spec.name}.model.path': {spec.model.path} is a file; give the "
+                          "model's directory (config.json + *.safetensors, as transformers saves it)")
+
+
 def build_tokenizer(spec: PolicySpec, corpus: Sequence[str], cache_dir: str | None = None) -> Tokenizer:
     """The policy's tokenizer: a local tokenizer.json (``tokenizer.path`` or the model directory), else one
     trained deterministically on ``corpus`` with ``tokenizer.kind``."""
+    _check_model_dir(spec)
     path = spec.tokenizer.path or spec.model.path
     if path is not None:
         try:
@@ -147,6 +155,7 @@ def warn_about_stops(spec: PolicySpec, tokenizer: Tokenizer, fmt: PromptFormat, 
 def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model."""
     m = spec.model
+    _check_model_dir(spec)
     if m.path is not None:
         try:
             model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype)
