@@ -7,7 +7,7 @@ import pytest
 from mrl_jax import models
 from mrl_jax.configs import ConfigError, from_dict
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
-from mrl_jax.trainer.config import PolicySpec, RunConfig
+from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.policy import build_policy
 
 TINY = {"family": "llama", "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
