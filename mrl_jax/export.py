@@ -27,7 +27,7 @@ from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.chat import tokenizer_folder
-from mrl_jax.configs import ConfigError, from_dict, load_yaml
+from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 
 __all__ = ["ExportError", "evaluate_exported", "export_policy"]
@@ -41,14 +41,14 @@ class ExportError(ValueError):
 
 
 def _run_config(run_dir: Path):
-    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.config import saved_run_config
 
     path = run_dir / "config.json"
     if not path.is_file():
         raise ExportError(f"{path}: missing; --run must be a run directory written by `mrl train` (it holds "
                           "config.json and checkpoints/)")
     try:
-        return from_dict(RunConfig, json.loads(path.read_text()))
+        return saved_run_config(json.loads(path.read_text()))
     except (ValueError, ConfigError) as e:
         msg = " ".join(str(e).split())
         raise ExportError(f"{path}: not the config.json of an `mrl train` run ({msg}); pass --run the --out "
@@ -192,10 +192,10 @@ def export_policy(run_dir, policy: str, out_dir, *, checkpoint: int | None = Non
 def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict:
     """``mrl eval --model DIR``: held-out success of an exported directory (HF or PEFT adapter) on the task of
     ``config_path``, prompted and sampled as the config's policy ``policy`` (default: the only one)."""
-    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.config import load_run_config
     from mrl_jax.trainer.loop import Run
 
-    cfg = load_yaml(RunConfig, config_path)
+    cfg = load_run_config(config_path)
     model_dir = Path(model_dir)
     if policy is None:
         if len(cfg.policies) != 1:

@@ -142,3 +142,22 @@ def test_grpo_keys_set_by_the_run_reach_the_learner():
                                                                                   "temperature": 0.5}}]})
     g = cfg.policies[0].grpo.resolved(3, 5, 0.5)
     assert (g.num_generations, g.max_completion_length, g.temperature, g.epsilon) == (3, 5, 0.5, 0.1)
+
+
+def test_config_json_of_an_earlier_run_still_loads(tmp_path):
+    """Runs written before G had one source saved GRPOConfig's defaults in policies[i].grpo; they load (mrl
+    eval / export), and a real contradiction there is still refused."""
+    import json
+
+    from mrl_jax.trainer.config import load_run_config
+
+    data = {"num_generations": 4, "policies": [{"name": "a", "grpo": {"num_generations": 8, "temperature": 1.0,
+                                                                      "max_completion_length": 64}}]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    cfg = load_run_config(path)
+    assert cfg.num_generations == 4 and cfg.policies[0].grpo.resolved(4, 16, 1.0).num_generations == 4
+    data["policies"][0]["grpo"]["num_generations"] = 6
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"config.json: config key 'policies\[0\].grpo.num_generations': 6"):
+        load_run_config(path)

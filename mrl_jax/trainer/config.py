@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from mrl_jax.configs import check, field
+from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.learner import GRPOConfig
 from mrl_jax.probes import make_probe, run_option_conflicts
 
@@ -372,3 +372,37 @@ class RunConfig:
             bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
                                        tau=self.see.success_threshold)
             check(not bad, f"policies.{i}.probes", "; ".join(bad))
+
+
+_OLD_GRPO_DEFAULTS = {"num_generations": 8, "max_completion_length": 64, "temperature": 1.0}
+
+
+def saved_run_config(data: dict) -> RunConfig:
+    """A run's ``config.json`` as a ``RunConfig``. Runs written before ``policies[i].grpo`` lost its own G,
+    completion length and temperature hold ``GRPOConfig``'s defaults there (the trainer used the run-set values):
+    those are dropped."""
+    from mrl_jax.configs import from_dict
+
+    for pol in data.get("policies") or []:
+        grpo = pol.get("grpo") if isinstance(pol, dict) else None
+        if isinstance(grpo, dict):
+            for key, old in _OLD_GRPO_DEFAULTS.items():
+                if grpo.get(key) == old:
+                    grpo.pop(key)
+    return from_dict(RunConfig, data)
+
+
+def load_run_config(path) -> RunConfig:
+    """A run config from a YAML file, or from a run's ``config.json`` (``saved_run_config``)."""
+    import json
+    from pathlib import Path
+
+    from mrl_jax.configs import load_yaml
+
+    path = Path(path)
+    if path.name == "config.json" and path.is_file():
+        try:
+            return saved_run_config(json.loads(path.read_text()))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    return load_yaml(RunConfig, path)

@@ -22,7 +22,7 @@ from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
-from mrl_jax.trainer.config import RunConfig
+from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
                                    log_hook)
 from mrl_jax.trainer.metrics import RunLog
@@ -277,8 +277,9 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 
 
 def evaluate_from_yaml(config_path, run_dir) -> dict:
-    """``mrl eval``: held-out success per policy from the run's latest checkpoint."""
-    cfg = load_yaml(RunConfig, config_path)
+    """``mrl eval``: held-out success per policy from the run's latest checkpoint (``config_path``: the run's
+    YAML config or its config.json)."""
+    cfg = load_run_config(config_path)
     if not (Path(run_dir) / "checkpoints").is_dir():
         raise CheckpointError(f"{run_dir} holds no run (no checkpoints/ directory); pass --run the --out directory "
                               "of `mrl train`, or --model an exported model directory")
