@@ -211,6 +211,21 @@ def install_kill_in_save(round_index: int) -> None:
     cch.CompositeCheckpointHandler.save = save
 
 
+def install_kill_after_save(round_index: int) -> None:
+    """SIGKILL this process right after the checkpoint of ``round_index`` is complete (renamed into place),
+    before anything else of that round runs."""
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    original = RunCheckpointer.save
+
+    def save(self, index, *args, **kwargs):
+        original(self, index, *args, **kwargs)
+        if index == round_index:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    RunCheckpointer.save = save
+
+
 def child_main(spec_path: str) -> int:
     """Run (or resume) one ``train`` as described by the JSON file ``spec_path``; exit 0 / 3 (RewardFailure) /
     4 (TrainingStopped)."""
@@ -218,6 +233,8 @@ def child_main(spec_path: str) -> int:
     enable_compile_cache()
     if spec.get("kill_in_save") is not None:
         install_kill_in_save(int(spec["kill_in_save"]))
+    if spec.get("kill_after_save") is not None:
+        install_kill_after_save(int(spec["kill_after_save"]))
     from mrl_jax.tasks import RewardFailure
     from mrl_jax.trainer import TrainingStopped, train
 
@@ -235,14 +252,16 @@ def child_main(spec_path: str) -> int:
 
 def run_child(config: dict, out: str | Path, *, resume: bool = False, rewards: dict | None = None,
               kill_in_save: int | None = None, kill_after_round: int | None = None, kill_delay_s: float = 0.0,
-              timeout_s: float = 900.0) -> dict:
+              kill_after_save: int | None = None, timeout_s: float = 900.0) -> dict:
     """``train`` in a fresh Python process; optionally SIGKILL it from outside ``kill_delay_s`` after the
     checkpoint of a round >= ``kill_after_round`` is complete (so it dies computing a later round or writing
-    its checkpoint), or from inside a checkpoint write (``kill_in_save``). Returns ``{"returncode", "killed",
+    its checkpoint), or from inside: in a checkpoint write (``kill_in_save``) or as soon as the checkpoint of
+    that round is complete (``kill_after_save``). Returns ``{"returncode", "killed",
     "wall_s", "stderr"}`` (returncode -9: killed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"config": config, "out": str(out), "resume": resume, "rewards": rewards, "kill_in_save": kill_in_save}
+    spec = {"config": config, "out": str(out), "resume": resume, "rewards": rewards, "kill_in_save": kill_in_save,
+            "kill_after_save": kill_after_save}
     spec_path = out.parent / f".{out.name}.child.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, JAX_PLATFORMS="cpu", **compile_cache_env())
@@ -366,6 +385,23 @@ def compare_runs(a: str | Path, b: str | Path, round_index: int | None = None) -
             "different_records": bad[:10], "num_arrays": len(la), "num_records": len(ra)}
 
 
+RUN_RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "groups.jsonl")
+
+
+def record_differences(a: str | Path, b: str | Path) -> dict:
+    """``{file: [first differing record indices]}`` over every JSONL file a run writes (metrics with the
+    held-out eval rows, samples, groups), records compared without wall-clock figures; {} = the same."""
+    out = {}
+    for name in RUN_RECORD_FILES:
+        ra = [json.dumps(strip_times(r), sort_keys=True) for r in read_jsonl(Path(a) / name)]
+        rb = [json.dumps(strip_times(r), sort_keys=True) for r in read_jsonl(Path(b) / name)]
+        bad = [i for i, (x, y) in enumerate(zip(ra, rb)) if x != y] + ([f"{len(ra)} vs {len(rb)} records"]
+                                                                      if len(ra) != len(rb) else [])
+        if bad:
+            out[name] = bad[:10]
+    return out
+
+
 def fault_totals(out: str | Path) -> dict:
     """Sum over the metrics records of every reward failure counter (``reward/<name>/<kind>``) and skips."""
     totals: dict[str, float] = {}
@@ -381,6 +417,16 @@ def fault_totals(out: str | Path) -> dict:
 
 # -------------------------------------------------------------------------------------------- soak
 SOAK_FAULTS = {"raise": 0.04, "nan": 0.03, "string": 0.02, "hang": 0.004}
+
+
+def _can_resume(out: Path) -> bool:
+    """Resume when a complete checkpoint exists; a run killed before its first one is begun again (its records
+    deleted, as ``--resume`` then advises)."""
+    if out.exists() and checkpoint_rounds(out):
+        return True
+    for name in RUN_RECORD_FILES:
+        (out / name).unlink(missing_ok=True)
+    return False
 
 
 def run(quick: bool = True, *, rounds: int | None = None, kills: int | None = None, out: str | Path | None = None,
@@ -406,7 +452,7 @@ def run(quick: bool = True, *, rounds: int | None = None, kills: int | None = No
     for kind, r in plan:
         if newest_checkpoint_dir(soaked) >= r:
             continue
-        res = run_child(config, soaked, resume=restarts > 0, rewards=rewards,
+        res = run_child(config, soaked, resume=_can_resume(soaked), rewards=rewards,
                         kill_in_save=r if kind == "in_save" else None,
                         kill_after_round=r if kind == "after_checkpoint" else None, kill_delay_s=rng.uniform(0.0, 0.3))
         restarts += 1
@@ -415,7 +461,7 @@ def run(quick: bool = True, *, rounds: int | None = None, kills: int | None = No
                        "wall_s": round(res["wall_s"], 1)})
         if not res["killed"]:
             raise RuntimeError(f"soak child did not die as planned: {res}")
-    final = run_child(config, soaked, resume=restarts > 0, rewards=rewards)
+    final = run_child(config, soaked, resume=_can_resume(soaked), rewards=rewards)
     restarts += 1
     if final["returncode"] != 0:
         raise RuntimeError(f"soak run failed after its restarts: {final['stderr']}")
@@ -444,11 +490,13 @@ def run(quick: bool = True, *, rounds: int | None = None, kills: int | None = No
         if ref["returncode"] != 0:
             raise RuntimeError(f"uninterrupted reference run failed: {ref['stderr']}")
         report["equal_to_uninterrupted"] = compare_runs(soaked, base / "uninterrupted")
+        report["record_differences"] = record_differences(soaked, base / "uninterrupted")
         report["uninterrupted_wall_s"] = round(time.perf_counter() - t1, 1)
     report["lost_anything"] = bool(problems or unloadable or not report["summary_written"])
     if compare:
         eq = report["equal_to_uninterrupted"]
-        report["same_as_uninterrupted"] = bool(eq["arrays_equal"] and eq["metrics_equal"])
+        report["same_as_uninterrupted"] = bool(eq["arrays_equal"] and eq["metrics_equal"]
+                                               and not report["record_differences"])
     report["out"] = str(base)
     return report
 

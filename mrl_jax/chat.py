@@ -104,6 +104,19 @@ class _ChatRenderer:
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
         return turns + [{"role": "user", "content": text}]
 
+    def end_of_turn(self) -> str | None:
+        """The special token the template writes right after an assistant turn's text (Phi-3 ``<|end|>``,
+        ChatML ``<|im_end|>``), or None (no such token, or the template renders no assistant turn)."""
+        hf, mark = self._tokenizer(), "\u2063mrl\u2063"
+        try:
+            text = hf.apply_chat_template(self.messages("x") + [{"role": "assistant", "content": mark}],
+                                          tokenize=False)
+        except Exception:  # noqa: BLE001 -- a template that refuses this conversation names no end-of-turn
+            return None
+        tail = text.split(mark, 1)[1] if mark in text else ""
+        specials = [t.content for t in hf.added_tokens_decoder.values() if t.special]
+        return next((t for t in sorted(specials, key=len, reverse=True) if tail.startswith(t)), None)
+
     def render(self, texts: Sequence[str]) -> list[str]:
         hf = self._tokenizer()
         try:

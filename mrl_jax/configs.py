@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -40,6 +41,11 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"config key '{key}': {message}")
 
 
+def config_warning(key: str, message: str) -> None:
+    """One line on stderr for a config that runs but probably not as meant: ``warning: config key '...': ...``."""
+    print(f"warning: config key '{key}': {message}", file=sys.stderr, flush=True)
+
+
 def _suggest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else ""
@@ -47,6 +53,14 @@ def _suggest(name: str, valid: list[str]) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    """A type as ``config-help`` shows it; a choice (``Literal``) lists its allowed values."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return ("one of " if len(args) > 1 else "") + " | ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, tuple) and args:
+        return f"list of {_type_name(args[0])}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -143,6 +157,21 @@ def to_dict(config: Any) -> Any:
     return config
 
 
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """PyYAML's error as one line ``file:line:column: not valid YAML: problem``; a tab gets "use spaces"."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    what = getattr(e, "problem", None) or getattr(e, "context", None) or " ".join(str(e).split())
+    if "\\t" in repr(what) or (mark is not None and _char_at(path, mark.line, mark.column) == "\t"):
+        what += " (a tab: YAML indents with spaces; use spaces)"
+    return f"{where}: not valid YAML: {what}"
+
+
+def _char_at(path: Path, line: int, column: int) -> str:
+    lines = path.read_text().splitlines()
+    return lines[line][column:column + 1] if line < len(lines) else ""
+
+
 def load_yaml(cls: type[T], path: str | Path) -> T:
     """Load ``cls`` from a YAML file; errors name the file."""
     path = Path(path)
@@ -151,7 +180,7 @@ def load_yaml(cls: type[T], path: str | Path) -> T:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(_yaml_error(path, e)) from None
     try:
         return from_dict(cls, data)
     except ConfigError as e:

@@ -200,6 +200,7 @@ def _plot_success(summary: dict, names: list[str], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     seeds = summary["settings"]["seeds"]
     fig, axes = plt.subplots(len(SKILLS), len(names), figsize=(5 * len(names), 2.8 * len(SKILLS)), squeeze=False,
@@ -215,13 +216,15 @@ def _plot_success(summary: dict, names: list[str], path: Path) -> None:
                                 color=line.get_color(), alpha=0.15, linewidth=0)
             ax.set_title(f"{n}: {title}", fontsize=10)
             ax.set_ylim(-0.03, 1.03)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if row == len(SKILLS) - 1:
                 ax.set_xlabel("RL round (0 = warm start)")
             if col == 0:
-                ax.set_ylabel("held-out greedy success")
-    axes[0, 0].legend(fontsize=8)
+                ax.set_ylabel("held-out greedy success\n(fraction of prompts)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
     fig.suptitle(f"held-out greedy success per skill, mean ± std over {seeds} seed(s)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.4 / (2.8 * len(SKILLS)), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -232,16 +235,19 @@ def _plot(summary: dict, names: list[str], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.9), squeeze=False)
     for ax, n in zip(axes[0], names):
         for probe, entry in summary["probes"].items():
             ax.plot(entry[n]["reward_curve"], label=probe)
         ax.set_title(n)
         ax.set_xlabel("round")
-        ax.set_ylabel("mean reward (train prompts)")
-        ax.legend()
-    fig.tight_layout()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("mean reward per sample (train prompts)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.4 / 3.9, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -9,7 +9,10 @@ chosen round (default: the latest complete one) is restored into it, and the pol
 ``mrl_jax.models.save_pretrained`` (config.json + model.safetensors; ``transformers`` loads them with the same
 logits) next to its tokenizer files (tokenizer.json, tokenizer_config.json with any chat template,
 special_tokens_map.json, copied; or written for a locally trained tokenizer) and a ``generation_config.json``
-whose ``eos_token_id`` is the policy's stop set. ``mrl_export.json`` records where it came from. The run
+whose ``eos_token_id`` is the policy's stop set. The exported ``tokenizer_config.json`` names
+``tokenizer_class: PreTrainedTokenizerFast``: ``AutoTokenizer`` then runs tokenizer.json as it is, as the trainer
+did, so a deployed model gets the ids it was trained on (a model-specific class such as transformers 5's
+``LlamaTokenizer`` rebuilds the pipeline and encodes Phi-3's chat prompts differently). ``mrl_export.json`` records where it came from. The run
 directory is only read. Every refusal is one ``ExportError`` line naming the key or path and the fix.
 """
 
@@ -24,7 +27,7 @@ from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.chat import tokenizer_folder
-from mrl_jax.configs import ConfigError, from_dict, load_yaml
+from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 
 __all__ = ["ExportError", "evaluate_exported", "export_policy"]
@@ -38,14 +41,14 @@ class ExportError(ValueError):
 
 
 def _run_config(run_dir: Path):
-    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.config import saved_run_config
 
     path = run_dir / "config.json"
     if not path.is_file():
         raise ExportError(f"{path}: missing; --run must be a run directory written by `mrl train` (it holds "
                           "config.json and checkpoints/)")
     try:
-        return from_dict(RunConfig, json.loads(path.read_text()))
+        return saved_run_config(json.loads(path.read_text()))
     except (ValueError, ConfigError) as e:
         msg = " ".join(str(e).split())
         raise ExportError(f"{path}: not the config.json of an `mrl train` run ({msg}); pass --run the --out "
@@ -124,6 +127,10 @@ def write_tokenizer_files(policy, out: Path) -> list[str]:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
                 written.append(name)
+        conf = _read_json(out / "tokenizer_config.json")
+        if conf:   # AutoTokenizer: tokenizer.json as the trainer ran it, not a rebuilt model-specific pipeline
+            conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, ensure_ascii=False))
     model_dir = Path(policy.spec.model.path) if policy.spec.model.path else None
     gen = _read_json(model_dir / "generation_config.json") if model_dir else {}
     gen = gen or (_read_json(folder / "generation_config.json") if folder else {})
@@ -185,10 +192,10 @@ def export_policy(run_dir, policy: str, out_dir, *, checkpoint: int | None = Non
 def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict:
     """``mrl eval --model DIR``: held-out success of an exported directory (HF or PEFT adapter) on the task of
     ``config_path``, prompted and sampled as the config's policy ``policy`` (default: the only one)."""
-    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.config import load_run_config
     from mrl_jax.trainer.loop import Run
 
-    cfg = load_yaml(RunConfig, config_path)
+    cfg = load_run_config(config_path)
     model_dir = Path(model_dir)
     if policy is None:
         if len(cfg.policies) != 1:

@@ -160,3 +160,30 @@ def test_export_refuses_a_non_empty_directory_unless_forced(run, tmp_path):
         export_policy(tmp_path / "empty", "llama_bpe", tmp_path / "y")
     with pytest.raises(ExportError, match=r"busy/config\.json: not the config\.json of an `mrl train` run"):
         export_policy(tmp_path / "busy", "llama_bpe", tmp_path / "y")  # a model directory, not a run
+
+
+@pytest.mark.parametrize("name", ["phi-3-mini", "smollm2-135m"])
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_exported_chat_prompt_ids_equal_autotokenizer(shared_tokenizers_dir, tmp_path, name, system):
+    """The ids a chat policy is trained on are the ids ``AutoTokenizer`` gives on the exported directory (the
+    Phi-3 folder names LlamaTokenizer, which transformers 5 rebuilds: '▁What' 1724 becomes 'What' 5618)."""
+    from types import SimpleNamespace
+
+    from mrl_jax.export import write_tokenizer_files
+    from mrl_jax.tokenization import load_tokenizer
+    from mrl_jax.trainer.config import PolicySpec
+    from mrl_jax.trainer.policy import build_prompt_format
+
+    folder = shared_tokenizers_dir / name
+    tok = load_tokenizer(folder)
+    spec = PolicySpec(name="p", prompt_format="chat", system_prompt=system)
+    trained = build_prompt_format(spec, tok).encode(tok, ["What is 2+3?", " odd  spacing\tand 'quotes'"])
+    out = tmp_path / "export"
+    out.mkdir()
+    write_tokenizer_files(SimpleNamespace(tokenizer=tok, spec=spec, sampling=SimpleNamespace(eos_ids=(tok.eos_id,))),
+                          out)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    for text, ids in zip(["What is 2+3?", " odd  spacing\tand 'quotes'"], trained):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        got = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        assert list(got["input_ids"] if hasattr(got, "keys") else got) == ids

@@ -43,7 +43,14 @@ def cfg_of(**overrides) -> RunConfig:
 
 
 def base_overrides(**more) -> dict:
-    return dict(dict(rounds=ROUNDS, checkpoint_every=1, keep_checkpoints=2), **more)
+    return dict(dict(rounds=ROUNDS, checkpoint_every=1, keep_checkpoints=2, eval_every=2), **more)
+
+
+def assert_same_as_reference(reference, out):
+    """Final checkpoint arrays bit for bit, and every record file (metrics with eval rows, samples, groups)."""
+    same = soak.compare_runs(reference, out)
+    assert same["arrays_equal"] and same["metrics_equal"], same
+    assert soak.record_differences(reference, out) == {}
 
 
 def leaves_by_path(out, round_index) -> dict:
@@ -89,9 +96,7 @@ def test_resume_continues_rounds_and_metrics_bit_identically(reference, tmp_path
                     progress=False)
     assert summary["resumed_from"] == 1
     assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
-    same = soak.compare_runs(reference, out)
-    assert same["arrays_equal"], same
-    assert same["metrics_equal"], same
+    assert_same_as_reference(reference, out)
     assert soak.checkpoint_rounds(out) == [2, 3]
 
 
@@ -105,11 +110,23 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(reference, tmp_path):
     assert latest is not None and 1 <= latest < ROUNDS - 1  # killed with rounds left to redo
     train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL), progress=False)
     assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
-    same = soak.compare_runs(reference, out)
-    assert same["arrays_equal"] and same["metrics_equal"], same
+    assert_same_as_reference(reference, out)
 
 
-def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp_path):
+def test_sigkill_right_after_checkpoint_keeps_every_record(reference, tmp_path):
+    """Killed the moment round 1's checkpoint is complete: that round's held-out eval (eval_every 2) is already
+    logged, so the resumed run's files equal the uninterrupted run's, eval rows included."""
+    evals = [r["round"] for r in soak.read_jsonl(reference / "metrics.jsonl") if r["policy"].endswith("/eval")]
+    assert evals == [1, 1, 3, 3]
+    out = tmp_path / "killed_after_save"
+    res = soak.run_child(soak.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_save=1)
+    assert res["returncode"] == -9, res
+    assert soak.checkpoint_rounds(out) == [0, 1]
+    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    assert_same_as_reference(reference, out)
+
+
+def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp_path, capsys):
     out = tmp_path / "killed_in_save"
     res = soak.run_child(soak.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_in_save=2)
     assert res["returncode"] == -9, res
@@ -119,15 +136,13 @@ def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp
     assert ckpt.latest_round() == 1  # ... but never the latest
     ckpt.close()
     assert soak.last_logged_round(out) == 2  # round 2 was logged before its checkpoint write was killed
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
-                        progress=False)
-    assert not [w for w in caught if "differs" in str(w.message)]  # same config: no "config differs" warning
+    capsys.readouterr()
+    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+                    progress=False)
+    assert "differs" not in capsys.readouterr().err  # same config: no "config differs" warning
     assert summary["resumed_from"] == 1
     assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
-    same = soak.compare_runs(reference, out)
-    assert same["arrays_equal"] and same["metrics_equal"], same
+    assert_same_as_reference(reference, out)
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]  # leftover removed, keep-2 applied
 
 
@@ -204,6 +219,61 @@ def test_resume_with_checkpoints_deleted_refuses(reference, tmp_path):
         train(cfg_of(**base_overrides()), out, resume=True, progress=False)
     assert "metrics.jsonl" in str(e.value) and "new --out" in str(e.value)
     assert len(soak.training_records(out)) == 2 * ROUNDS  # the logs were not touched
+
+
+def test_new_run_into_directory_with_records_refused(reference, tmp_path, capsys):
+    out = tmp_path / "records_only"
+    out.mkdir()
+    for name in ("metrics.jsonl", "samples.jsonl", "config.json"):
+        shutil.copy(reference / name, out / name)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="already holds a run's records") as e:
+        train(cfg_of(**base_overrides()), out, progress=False)
+    assert "metrics.jsonl" in str(e.value) and "new --out" in str(e.value)
+    assert (out / "metrics.jsonl").read_text() == before   # nothing appended
+    from mrl_jax.cli import main
+
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(soak.tiny_config(**base_overrides())))
+    assert main(["train", "--config", str(cfg_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds a run's records" in err and "\n" not in err
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint") as e:
+        train(cfg_of(**base_overrides()), tmp_path / "empty", resume=True, progress=False)
+    assert "start without --resume" in str(e.value)
+    out = tmp_path / "killed_before_first"   # records of round 0, no checkpoint yet (checkpoint_every 5)
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"round": 0, "policy": "llama_bpe"}\n')
+    with pytest.raises(CheckpointError, match="before its first one, round 4") as e:
+        train(cfg_of(**base_overrides(checkpoint_every=5)), out, resume=True, progress=False)
+    assert "delete metrics.jsonl" in str(e.value)
+
+
+def test_resume_with_other_rounds_under_decaying_schedule_refused(reference, tmp_path):
+    out = tmp_path / "rounds"
+    shutil.copytree(reference, out)
+    cfg = soak.tiny_config(**base_overrides(rounds=ROUNDS + 3))
+    cfg["policies"][1]["optimizer"]["schedule"] = "cosine"
+    with pytest.raises(ConfigError, match="'rounds'") as e:
+        train(soak.to_run_config(cfg), out, resume=True, progress=False)
+    msg = str(e.value)
+    assert f"rounds: {ROUNDS}" in msg and f"rounds: {ROUNDS + 3}" in msg
+    assert "policies[1].optimizer.schedule: cosine" in msg
+    assert soak.checkpoint_rounds(out) == soak.checkpoint_rounds(reference)   # nothing ran
+
+
+def test_resume_with_changed_probes_is_one_warning_line(reference, capsys):
+    from mrl_jax.trainer.loop import _check_config_changes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no Python warning object
+        _check_config_changes(reference, cfg_of(**base_overrides(**{"policies.0.probes": "sgt"})))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mrl train: warning:")
+    assert "policies.0.probes: 'xgrpo+sgt' -> 'sgt'" in err
 
 
 # ----------------------------------------------------------------------------------------- rewards

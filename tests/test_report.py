@@ -167,3 +167,50 @@ def test_groups_are_kept_out_of_metrics_and_truncated_on_resume(tmp_path):
     assert [(g["round"], g["policy"]) for g in groups] == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
     assert groups[0]["prompt_ids"] == [7, 9] and groups[0]["rewards"] == [[0.0, 1.0], [0.0, 0.0]]
     assert "groups" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def _captured_figure(monkeypatch, draw):
+    """Run ``draw()`` (which saves and closes a matplotlib figure) and return that figure, drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    draw()
+    fig = figs[-1]
+    fig.canvas.draw()
+    return fig
+
+
+@pytest.mark.parametrize("rounds", [3, 7])
+def test_metric_figures_are_readable(tmp_path, monkeypatch, rounds):
+    """Every panel: a title that is not the raw key, a y label with the quantity, 'round' on x with integer
+    ticks only; one figure legend, outside every panel; the eval line only on a fraction panel."""
+    from mrl_jax.report.data import RunRecords
+    from mrl_jax.report.figures import axis_labels, metric_panels
+
+    keys = ["sgt/rows_fired", "sgt/prompts_failed", "sgt/prompts_rescued", "sgt/nll", "reward/success_rate"]
+    train_recs = [{"round": r, "policy": p, **{k: (r + 1) * (i + 1) / 10 for i, k in enumerate(keys)}}
+                  for r in range(rounds) for p in ("a", "b")]
+    evals = [{"round": r, "policy": p, "success": 0.5} for r in range(0, rounds, 2) for p in ("a", "b")]
+    run = RunRecords(run_dir=tmp_path, train=train_recs, evals=evals, groups=[], samples=[], summary=None,
+                     config=None)
+    fig = _captured_figure(monkeypatch, lambda: metric_panels(run, keys, tmp_path / "f.png", "t", evals=True))
+    assert (tmp_path / "f.png").is_file()
+    panels = [ax for ax in fig.axes if ax.axison]
+    assert len(panels) == len(keys)
+    for ax, key in zip(panels, keys):
+        assert ax.get_title() not in ("", key) and ax.get_title() == axis_labels(key)[0]
+        assert ax.get_ylabel() == axis_labels(key)[1] and ax.get_xlabel() == "round"
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        assert ax.get_legend() is None
+        dashed = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+        assert bool(dashed) == (key == "reward/success_rate")   # eval success only beside another fraction
+    assert len(fig.legends) == 1
+    legend_box = fig.legends[0].get_window_extent()
+    assert not any(legend_box.overlaps(ax.get_window_extent()) for ax in panels)
+    assert "fraction" in axis_labels("sgt/prompts_failed")[1] and "per round" in axis_labels("sgt/rows_fired")[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from mrl_jax.configs import check, field
+from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.learner import GRPOConfig
 from mrl_jax.probes import make_probe, run_option_conflicts
 
@@ -95,7 +95,35 @@ class WarmStartSpec:
     batch_size: int = field(64, help="SFT examples per step")
 
 
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+RUN_SET_GRPO_KEYS = {"num_generations": "num_generations", "max_completion_length": "sampling.max_new_tokens",
+                     "temperature": "sampling.temperature"}   # grpo key -> the key that sets it in a run
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` of a run's policy: G, the completion length and the temperature are set once, by the run's
+    ``num_generations`` and the policy's ``sampling``; here they may only repeat those values."""
+
+    num_generations: Optional[int] = field(None, help="set by the run key num_generations; leave unset (a "
+                                                      "different value here is an error)")
+    max_completion_length: Optional[int] = field(None, help="set by policies[i].sampling.max_new_tokens; leave "
+                                                            "unset (a different value here is an error)")
+    temperature: Optional[float] = field(None, help="set by policies[i].sampling.temperature; leave unset (a "
+                                                    "different value here is an error)")
+
+    def __post_init__(self):
+        self.resolved(1, 1, 1.0)   # GRPOConfig's checks of every other key
+
+    def resolved(self, num_generations: int, max_completion_length: int, temperature: float) -> GRPOConfig:
+        """The ``GRPOConfig`` the learner uses, with the run-set values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)}
+        values.update(num_generations=num_generations, max_completion_length=max_completion_length,
+                      temperature=temperature)
+        return GRPOConfig(**values)
+
+
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                        "gate_up_proj",
                         "c_attn", "c_proj", "c_fc")
 
 
@@ -160,7 +188,7 @@ class PolicySpec:
     lora: LoraSpec = field(default_factory=LoraSpec, help="LoRA adapters (rank 0 = full fine-tuning)")
     sampling: SamplingSpec = field(default_factory=SamplingSpec, help="rollout sampling")
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec, help="optimizer")
-    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="GRPO loss options (TRL names)")
+    grpo: PolicyGRPOConfig = field(default_factory=PolicyGRPOConfig, help="GRPO loss options (TRL names)")
     probes: str = field("none", help="probe chain, e.g. 'none', 'sgt', 'xgrpo+sgt', 'prp'; scale/eps/tau come "
                                       "from grpo.scale_rewards, grpo.reward_eps and see.success_threshold")
     ref_model: RefModelSpec = field(default_factory=RefModelSpec, help="KL reference (grpo.beta > 0)")
@@ -177,6 +205,11 @@ class PolicySpec:
     def __post_init__(self):
         check(self.prompt_format == "chat" or "{prompt}" in self.prompt_template, "prompt_template",
               f"must contain '{{prompt}}', got {self.prompt_template!r}")
+        for key in ("max_completion_length", "temperature"):
+            given, run_key = getattr(self.grpo, key), RUN_SET_GRPO_KEYS[key]
+            run_value = getattr(self.sampling, run_key.split(".")[1])
+            check(given is None or given == run_value, f"grpo.{key}",
+                  f"{given!r} contradicts this policy's {run_key}: {run_value!r}, which sets it; drop grpo.{key}")
         check(self.system_prompt is None or self.prompt_format == "chat", "system_prompt",
               "is used only with prompt_format: chat; set prompt_format: chat or put it in prompt_template")
         check(not self.chat_template_kwargs or self.prompt_format == "chat", "chat_template_kwargs",
@@ -289,7 +322,8 @@ class RunConfig:
     seed: int = field(0, help="run seed (params init, sampling, prompt order)")
     rounds: int = field(50, help="number of MRL rounds")
     prompts_per_round: int = field(32, help="prompts per round")
-    num_generations: int = field(8, help="completions per prompt per policy (G)")
+    num_generations: int = field(8, help="completions per prompt per policy (G); >= 2 (a group of one has no "
+                                         "spread, so no advantage)")
     see: SeeSpec = field(default_factory=SeeSpec, help="shared experience")
     mwra: MwraSpec = field(default_factory=MwraSpec, help="device placement of the policies (MWRA)")
     checkpoint_every: int = field(10, help="rounds between checkpoints")
@@ -322,6 +356,9 @@ class RunConfig:
         check(len(set(names)) == len(names), "policies", f"names must be unique, got {names}")
         for key in ("rounds", "prompts_per_round", "num_generations", "checkpoint_every", "keep_checkpoints"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        check(self.num_generations >= 2, "num_generations",
+              f"must be >= 2, got {self.num_generations}: GRPO's advantage is a reward's distance from its group's "
+              "mean, so a group of one never learns (TRL refuses it too)")
         check(self.reward_timeout_s > 0, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         for key in ("eval_prompts", "max_skipped_updates"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
@@ -335,6 +372,44 @@ class RunConfig:
                           f"device {d} is also given to policy {claimed.get(d)!r}: sub-meshes must not overlap")
                     claimed[d] = p.name
         for i, p in enumerate(self.policies):
+            g = p.grpo.num_generations
+            check(g is None or g == self.num_generations, f"policies[{i}].grpo.num_generations",
+                  f"{g} contradicts num_generations: {self.num_generations}, which sets G for every policy; drop "
+                  f"policies[{i}].grpo.num_generations")
             bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
                                        tau=self.see.success_threshold)
             check(not bad, f"policies.{i}.probes", "; ".join(bad))
+
+
+_OLD_GRPO_DEFAULTS = {"num_generations": 8, "max_completion_length": 64, "temperature": 1.0}
+
+
+def saved_run_config(data: dict) -> RunConfig:
+    """A run's ``config.json`` as a ``RunConfig``. Runs written before ``policies[i].grpo`` lost its own G,
+    completion length and temperature hold ``GRPOConfig``'s defaults there (the trainer used the run-set values):
+    those are dropped."""
+    from mrl_jax.configs import from_dict
+
+    for pol in data.get("policies") or []:
+        grpo = pol.get("grpo") if isinstance(pol, dict) else None
+        if isinstance(grpo, dict):
+            for key, old in _OLD_GRPO_DEFAULTS.items():
+                if grpo.get(key) == old:
+                    grpo.pop(key)
+    return from_dict(RunConfig, data)
+
+
+def load_run_config(path) -> RunConfig:
+    """A run config from a YAML file, or from a run's ``config.json`` (``saved_run_config``)."""
+    import json
+    from pathlib import Path
+
+    from mrl_jax.configs import load_yaml
+
+    path = Path(path)
+    if path.name == "config.json" and path.is_file():
+        try:
+            return saved_run_config(json.loads(path.read_text()))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    return load_yaml(RunConfig, path)

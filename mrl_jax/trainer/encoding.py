@@ -23,13 +23,14 @@ PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def encode_prompts(tokenizer: Tokenizer, template: str | PromptFormat, texts: Sequence[str], *,
-                   max_len: int | None = None,
+                   max_len: int | None = None, max_width: int | None = None,
                    buckets: Sequence[int] = PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray, int]:
     """Format, tokenize and LEFT-pad prompts -> ``(ids int32[P, Tp], mask bool[P, Tp], n_truncated)``.
 
     ``template``: a ``prompt_template`` string (a BOS is prepended when the tokenizer has one) or a
     ``PromptFormat`` (a chat format adds no BOS: its template writes it). Prompts longer than ``max_len`` keep
-    their last ``max_len`` tokens (counted in ``n_truncated``). ``Tp`` is bucketed to bound recompiles.
+    their last ``max_len`` tokens (counted in ``n_truncated``). ``Tp`` is bucketed to bound recompiles, but at
+    most ``max_width`` (the policy's prompt limit: a bucket never pushes a prompt past the model's positions).
     """
     seqs = as_prompt_format(template).encode(tokenizer, texts)
     n_truncated = 0
@@ -38,6 +39,8 @@ def encode_prompts(tokenizer: Tokenizer, template: str | PromptFormat, texts: Se
         seqs = [s[-max_len:] for s in seqs]
     longest = max(1, max(len(s) for s in seqs))
     width = bucket_length(longest, buckets)
+    if max_width is not None:
+        width = max(longest, min(width, max_width))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     ids = np.full((len(seqs), width), pad, np.int32)
     mask = np.zeros((len(seqs), width), bool)

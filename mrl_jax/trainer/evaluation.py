@@ -31,7 +31,8 @@ def evaluate_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seq
         chunk = list(prompts[start:start + batch_size])
         n = len(chunk)
         chunk = chunk + [chunk[-1]] * (batch_size - n) if len(prompts) > batch_size else chunk
-        ids, mask, _ = encode_prompts(policy.tokenizer, policy.prompt_format, [p.text for p in chunk])
+        ids, mask, _ = encode_prompts(policy.tokenizer, policy.prompt_format, [p.text for p in chunk],
+                                     max_width=policy.prompt_limit)
         if policy.mesh is not None:   # on the policy's MWRA mesh, read on every process
             from mrl_jax.trainer.placement import mesh_generate
 

@@ -3,13 +3,15 @@
 
 Determinism: the prompts and RNG key of round ``r`` depend only on ``(seed, r)`` (``Run.round_inputs``), so a
 run resumed from the checkpoint of round ``r`` continues exactly as an uninterrupted one would (same params, same
-metrics); the checkpoint holds every policy's params, optimizer state and reference and the SEE buffer.
+metrics); the checkpoint holds every policy's params, optimizer state and reference and the SEE buffer. A round's
+records (metrics, held-out eval, samples, groups) are all written before its checkpoint, so a kill at any moment
+leaves either the checkpoint and every record of its round, or records that a resume drops and redoes.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -20,7 +22,7 @@ from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
-from mrl_jax.trainer.config import RunConfig
+from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
                                    log_hook)
 from mrl_jax.trainer.metrics import RunLog
@@ -91,25 +93,37 @@ class _NullLog:
         pass
 
 
-def _warn_config_changes(out: Path, cfg: RunConfig) -> None:
-    """On resume, warn about keys that differ from the config the run was started with."""
+def _flat(d, pre: str = "") -> dict:
+    """A nested config dict as ``{"a.0.b": value}``."""
+    if isinstance(d, dict):
+        return {k: v for key, val in d.items() for k, v in _flat(val, f"{pre}{key}.").items()}
+    if isinstance(d, list):
+        return {k: v for i, val in enumerate(d) for k, v in _flat(val, f"{pre}{i}.").items()}
+    return {pre[:-1]: d}
+
+
+def _check_config_changes(out: Path, cfg: RunConfig) -> None:
+    """On resume, compare with the config the run started with (``config.json``): another ``rounds`` under a
+    schedule that depends on the total steps (cosine, linear) is a ``ConfigError`` (the continued run's learning
+    rate curve would change); any other changed key is one warning line on stderr naming old and new values."""
     try:
         old = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return
-
-    def flat(d, pre=""):
-        if isinstance(d, dict):
-            return {k: v for key, val in d.items() for k, v in flat(val, f"{pre}{key}.").items()}
-        if isinstance(d, list):
-            return {k: v for i, val in enumerate(d) for k, v in flat(val, f"{pre}{i}.").items()}
-        return {pre[:-1]: d}
-
-    a, b = flat(old), flat(json.loads(json.dumps(to_dict(cfg))))
+    a, b = _flat(old), _flat(json.loads(json.dumps(to_dict(cfg))))
+    if a.get("rounds") != b.get("rounds"):
+        decaying = [f"policies[{i}].optimizer.schedule: {p.optimizer.schedule}" for i, p in enumerate(cfg.policies)
+                    if p.optimizer.schedule != "constant"]
+        if decaying:
+            raise ConfigError(
+                f"config key 'rounds': the run in {out} started with rounds: {a.get('rounds')}, this config has "
+                f"rounds: {b.get('rounds')}; {', '.join(decaying)} decays over the total steps, so resuming would "
+                f"change its learning-rate curve. Resume with rounds: {a.get('rounds')} (or start a new --out).")
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "rounds")
     if changed:
-        warnings.warn(f"resuming {out} with a config that differs from the one it started with in: "
-                      f"{', '.join(changed)}", stacklevel=4)
+        diffs = "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
+        print(f"mrl train: warning: resuming {out} with a config that differs from the one it started with "
+              f"(config.json) in {diffs}", file=sys.stderr, flush=True)
 
 
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
@@ -117,20 +131,35 @@ def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> Rewar
     return RewardScorer(specs, max_consecutive_failures=run.cfg.max_reward_failures)
 
 
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl", "groups.jsonl")
+
+
 def _resume_round(ckpt: RunCheckpointer, out: Path, cfg: RunConfig, resume: bool) -> int | None:
-    """The round of the checkpoint to resume from (None: start fresh); refuses an ambiguous directory."""
+    """The round of the checkpoint to resume from (None: start fresh). Refuses a new run into a directory that
+    holds a run's checkpoints or records, and ``--resume`` where there is no complete checkpoint."""
     latest = ckpt.latest_round()
-    if latest is not None and not resume:
-        raise CheckpointError(f"{out} already holds checkpoints (latest round {latest}); pass --resume to continue "
-                              "it or choose a new --out directory.")
-    logged = max((int(r.get("round", -1)) for r in RunLog.read_records(out / "metrics.jsonl")), default=-1)
-    if resume and latest is None and logged >= cfg.checkpoint_every:
-        # the run had saved the checkpoint of round checkpoint_every - 1 before logging this round
-        raise CheckpointError(
-            f"--resume: {out / 'metrics.jsonl'} has rounds up to {logged} but {ckpt.directory} holds no complete "
-            "checkpoint (deleted or moved?). Put the checkpoints back, or start a new --out directory (or delete "
-            "metrics.jsonl and samples.jsonl to start this run over).")
-    return latest if resume else None
+    records = [n for n in RUN_RECORDS if RunLog.read_records(out / n)]
+    if not resume:
+        if latest is not None:
+            raise CheckpointError(f"{out} already holds checkpoints (latest round {latest}); pass --resume to "
+                                  "continue it or choose a new --out directory.")
+        if records:
+            raise CheckpointError(f"{out} already holds a run's records ({', '.join(records)}); choose a new --out "
+                                  "directory (or delete those files to start this run over there).")
+        return None
+    if latest is None:
+        logged = max((int(r.get("round", -1)) for r in RunLog.read_records(out / "metrics.jsonl")), default=-1)
+        if logged >= cfg.checkpoint_every:   # the checkpoint of round checkpoint_every - 1 came before this round
+            raise CheckpointError(
+                f"--resume: {out / 'metrics.jsonl'} has rounds up to {logged} but {ckpt.directory} holds no complete "
+                "checkpoint (deleted or moved?). Put the checkpoints back, or start a new --out directory (or delete "
+                "metrics.jsonl, samples.jsonl and groups.jsonl to start this run over).")
+        start_over = (f"delete {', '.join(records)} in {out} and start without --resume" if records
+                      else "start without --resume")
+        raise CheckpointError(f"--resume: {ckpt.directory} holds no complete checkpoint (the run stopped before its "
+                              f"first one, round {cfg.checkpoint_every - 1}); {start_over} to begin the run.")
+    _check_config_changes(out, cfg)
+    return latest
 
 
 def _start(run: Run, ckpt: RunCheckpointer, out: Path, latest: int | None) -> tuple[RunState, int]:
@@ -138,7 +167,6 @@ def _start(run: Run, ckpt: RunCheckpointer, out: Path, latest: int | None) -> tu
     state template (several processes: onto the host, then placed -- orbax restores no process-local array)."""
     if latest is None:
         return run.initial_state(), 0
-    _warn_config_changes(out, run.cfg)
     template = run.state_template()
     state, meta = ckpt.restore(template if jax.process_count() == 1 else host_template(template))
     return run.place(state), int(meta["round"]) + 1
@@ -155,6 +183,19 @@ def _write_plan(out: Path, run: Run, progress: bool) -> None:
         (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
 
 
+def _sft_figures(losses: Sequence[float]) -> dict:
+    """The SFT warm start's loss: steps, first, last and lowest step loss."""
+    return {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_min": min(losses)}
+
+
+def _show_warm_starts(run: Run) -> None:
+    """One progress line per warm-started policy: its SFT loss, first step -> last step."""
+    for name, losses in run.warm_start_losses.items():
+        f = _sft_figures(losses)
+        print(f"[warm start] {name}: {f['steps']} SFT steps, loss {f['loss_first']:.4f} -> {f['loss_last']:.4f} "
+              f"(lowest {f['loss_min']:.4f})", file=sys.stderr, flush=True)
+
+
 def _summary(run: Run, state: RunState, start: int) -> dict:
     """summary.json: rounds, resume point, prompt counts, per policy params, final eval and placement."""
     cfg = run.cfg
@@ -162,6 +203,8 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
     summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None, "prompts": run.prompt_stats,
                "policies": {p.name: {"params": param_count(s), "eval": final[p.name]}
                             for p, s in zip(run.policies, state.policies)}}
+    for name, losses in run.warm_start_losses.items():
+        summary["policies"][name]["warm_start"] = _sft_figures(losses)
     if run.placement is not None:
         summary["plan"] = run.placement.to_dict()
         for name, pl in placement_summary(run.placement, state.policies).items():
@@ -198,6 +241,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         log.truncate_after(start - 1)
     if primary:
         _write_plan(out, run, progress)
+        if progress:
+            _show_warm_starts(run)
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
     r = start
@@ -205,10 +250,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         with _reward_scorer(run, reward_specs) as scorer:
             trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
             trainer.add_hook(log_hook(log))
+            if cfg.eval_every:   # before the checkpoint: a run killed after it has logged the round's eval too
+                trainer.add_hook(eval_hook(run, log, cfg.eval_prompts), every=cfg.eval_every)
             trainer.add_hook(save, every=cfg.checkpoint_every, at_end=True)
             trainer.add_hook(stop)
-            if cfg.eval_every:
-                trainer.add_hook(eval_hook(run, log, cfg.eval_prompts), every=cfg.eval_every)
             for info in trainer.rounds(state, start):
                 state, r = info.state, info.round + 1
     except RewardFailure as e:
@@ -232,11 +277,18 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 
 
 def evaluate_from_yaml(config_path, run_dir) -> dict:
-    """``mrl eval``: held-out success per policy from the run's latest checkpoint."""
-    cfg = load_yaml(RunConfig, config_path)
-    run = Run(cfg)
+    """``mrl eval``: held-out success per policy from the run's latest checkpoint (``config_path``: the run's
+    YAML config or its config.json)."""
+    cfg = load_run_config(config_path)
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        raise CheckpointError(f"{run_dir} holds no run (no checkpoints/ directory); pass --run the --out directory "
+                              "of `mrl train`, or --model an exported model directory")
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
+        if ckpt.latest_round() is None:
+            raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet (one is written every "
+                                  "checkpoint_every rounds); evaluate once the run has written one")
+        run = Run(cfg)
         state, meta = ckpt.restore(run.state_template())
         state = run.place(state)
     finally:

@@ -17,7 +17,7 @@ from flax import nnx, struct
 
 from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
-from mrl_jax.configs import ConfigError
+from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, make_probe
@@ -83,9 +83,17 @@ class Policy:
         return PolicyState(params=params, opt_state=self.optimizer.init(trainable), ref_params=ref_params)
 
 
+def _check_model_dir(spec: PolicySpec) -> None:
+    """``model.path`` names a directory (a file there would be blamed on the config.json it lacks)."""
+    if spec.model.path is not None and Path(spec.model.path).is_file():
+        raise ConfigError(f"config key 'policies.{spec.name}.model.path': {spec.model.path} is a file; give the "
+                          "model's directory (config.json + *.safetensors, as transformers saves it)")
+
+
 def build_tokenizer(spec: PolicySpec, corpus: Sequence[str], cache_dir: str | None = None) -> Tokenizer:
     """The policy's tokenizer: a local tokenizer.json (``tokenizer.path`` or the model directory), else one
     trained deterministically on ``corpus`` with ``tokenizer.kind``."""
+    _check_model_dir(spec)
     path = spec.tokenizer.path or spec.model.path
     if path is not None:
         try:
@@ -131,9 +139,24 @@ def build_stop_ids(spec: PolicySpec, tokenizer: Tokenizer) -> tuple[int, ...]:
         raise ConfigError(f"config key 'policies.{spec.name}.stop_tokens': {e}") from e
 
 
+def warn_about_stops(spec: PolicySpec, tokenizer: Tokenizer, fmt: PromptFormat, stops: Sequence[int]) -> None:
+    """One warning line when no completion can end early: no stop token at all, or a chat template whose
+    end-of-turn token is not in the stop set."""
+    key = f"policies.{spec.name}.stop_tokens"
+    if not stops:
+        config_warning(key, "the tokenizer has no EOS and no stop token is configured, so every completion runs "
+                            f"to sampling.max_new_tokens ({spec.sampling.max_new_tokens}); add stop_tokens")
+    eot = fmt.chat.end_of_turn() if fmt.is_chat else None
+    if eot is not None and tokenizer.token_to_id(eot) not in stops:
+        config_warning(key, f"the chat template ends an assistant turn with {eot!r}, which is not a stop token "
+                            f"(stop set {list(stops)}), so completions run on past the answer; add "
+                            f"stop_tokens: [{eot!r}]")
+
+
 def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model."""
     m = spec.model
+    _check_model_dir(spec)
     if m.path is not None:
         try:
             model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype)
@@ -189,16 +212,23 @@ def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Ca
 
 
 def prompt_limit(spec: PolicySpec, model) -> int:
-    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length."""
-    if spec.max_prompt_length:
-        return spec.max_prompt_length
+    """A policy's prompt token limit: ``max_prompt_length``, else its context minus the completion length;
+    ``max_prompt_length + sampling.max_new_tokens`` beyond the model's positions is a ``ConfigError``."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    new = spec.sampling.max_new_tokens
     if context is None:
-        return 1 << 30
-    limit = int(context) - spec.sampling.max_new_tokens
+        return spec.max_prompt_length or 1 << 30
+    if spec.max_prompt_length:
+        if spec.max_prompt_length + new > context:
+            raise ConfigError(
+                f"config key 'policies.{spec.name}.max_prompt_length': {spec.max_prompt_length} + sampling."
+                f"max_new_tokens {new} exceeds the model's {context} positions (max_position_embeddings); set "
+                f"max_prompt_length <= {context - new} (or 0 = {context - new}).")
+        return spec.max_prompt_length
+    limit = int(context) - new
     if limit < 1:
-        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {spec.sampling.max_new_tokens} "
-                          f"leaves no room for a prompt in the model's context of {context} tokens; lower it.")
+        raise ConfigError(f"config key 'policies.{spec.name}.sampling.max_new_tokens': {new} leaves no room for a "
+                          f"prompt in the model's context of {context} tokens; lower it.")
     return limit
 
 
@@ -216,15 +246,15 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
     probe = make_probe(spec.probes)
-    grpo_cfg = dataclasses.replace(spec.grpo, num_generations=run.num_generations,
-                                   max_completion_length=spec.sampling.max_new_tokens,
-                                   temperature=spec.sampling.temperature)
+    grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
     if spec.lora.rank:
         update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     else:
         update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
+    prompt_format = build_prompt_format(spec, tokenizer)
+    warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
                               pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
@@ -233,7 +263,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     see = run.see
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
                     probe=probe, optimizer=optimizer, update=update, ref_logp=ref_logp,
-                    prompt_format=build_prompt_format(spec, tokenizer), num_generations=run.num_generations,
+                    prompt_format=prompt_format, num_generations=run.num_generations,
                     view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
                                          peer_successes=see.peer_successes_per_prompt,
                                          own_successes=see.own_successes_per_prompt),

@@ -193,7 +193,8 @@ def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, keys: Seque
 def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guard, t0: float) -> None:
     """Every policy's rollout dispatched before any result is read; results fetched to the host, trimmed."""
     for ln in lanes:
-        ln.ids, ln.mask, _ = encode_prompts(ln.pol.tokenizer, ln.pol.prompt_format, texts)   # [P, Tp]
+        ln.ids, ln.mask, _ = encode_prompts(ln.pol.tokenizer, ln.pol.prompt_format, texts,
+                                            max_width=ln.pol.prompt_limit)   # [P, Tp]
         with guard():
             ln.out = _dispatch_rollout(ln.pol, ln.ps, ln.ids, ln.mask, keys[ln.pol.index])
         ln.stamps["rollout_dispatched"] = time.perf_counter() - t0

@@ -9,6 +9,7 @@ run resumed from the checkpoint of round ``r`` continues exactly as an uninterru
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import see as see_lib
-from mrl_jax.configs import ConfigError
+from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.tasks import ArithmeticTask, JsonlTask, Prompt, StringTask, Task, default_mixture
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
@@ -35,6 +36,9 @@ def build_task(cfg: RunConfig) -> Task:
         return ArithmeticTask("add", 2, seed=t.seed)
     if t.name == "reverse":
         return StringTask("rev", seed=t.seed)
+    if not Path(t.path).is_file():
+        raise ConfigError(f"config key 'task.path': {t.path} is not a file (missing, or a directory); give the "
+                          ".jsonl file of {prompt, answer} lines")
     return JsonlTask(t.path, seed=t.seed)
 
 
@@ -81,6 +85,7 @@ class Run:
         corpus = task_corpus(self.task)
         self.policies: list[Policy] = []
         self._weights = []   # per policy: the built params (random init or loaded), before any warm start
+        self.warm_start_losses: dict[str, list[float]] = {}
         for i, spec in enumerate(cfg.policies):
             tok = build_tokenizer(spec, corpus, cache_dir)
             pol, params = build_policy(i, spec, tok, build_model(spec, tok, seed=cfg.seed * 1000 + i), cfg)
@@ -104,13 +109,13 @@ class Run:
     # ------------------------------------------------------------------------------------------ state
     def warm_params(self) -> list:
         """Each policy's starting params: its built weights after the config's warm start (``warm_start``:
-        steps, part, learning_rate, batch_size; none when steps is 0). Call once: the warm start donates the
-        built weights."""
+        steps, part, learning_rate, batch_size; none when steps is 0; each step's loss in
+        ``warm_start_losses[name]``). Call once: the warm start donates the built weights."""
         out = []
         for pol, params in zip(self.policies, self._weights):
             ws = pol.spec.warm_start
             if ws.steps > 0:
-                params, _ = warm_start(pol.graphdef, params, pol.tokenizer, pol.prompt_format, self.sft_draw(ws.part),
+                params, self.warm_start_losses[pol.name] = warm_start(pol.graphdef, params, pol.tokenizer, pol.prompt_format, self.sft_draw(ws.part),
                                        steps=ws.steps, batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                        completion_length=pol.completion_length, seed=self.cfg.seed * 1000 + pol.index)
             out.append(params)
@@ -215,6 +220,9 @@ class Run:
                 self.replacement.update((p.id, q) for p, q, o in zip(prompts, kept, over) if o)
             if split == "eval":
                 self.eval_prompts = kept
+        if len(self.eval_prompts) < self.cfg.eval_prompts:
+            config_warning("eval_prompts", f"{self.cfg.eval_prompts}, but the task has {len(self.eval_prompts)} "
+                                           "held-out prompts (after overlong_prompts); each evaluation uses those")
 
     def _sample_prompts(self, rng: np.random.Generator) -> tuple[list[Prompt], int]:
         """``prompts_per_round`` train prompts from ``rng``, rejected ones drawn again; (prompts, rejections)."""

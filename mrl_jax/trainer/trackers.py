@@ -114,9 +114,17 @@ class WandbTracker:
         id_file.write_text(run_id + "\n")
         wandb_dir = Path(os.environ.get("WANDB_DIR") or out_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mrl_jax"), name=out_dir.name, id=run_id,
-                               resume="allow", dir=str(wandb_dir), config=dict(config or {}),
-                               settings=wandb.Settings(console="off"))
+        try:
+            self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mrl_jax"), name=out_dir.name, id=run_id,
+                                   resume="allow", dir=str(wandb_dir), config=dict(config or {}),
+                                   settings=wandb.Settings(console="off"))
+        except Exception as e:  # noqa: BLE001 -- no login, no network, a bad entity: all mean "no W&B run"
+            from mrl_jax.configs import ConfigError
+
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"config key 'report_to': wandb could not start a run ({type(e).__name__}: {first}); "
+                              "run `wandb login`, or set WANDB_MODE=offline to write the W&B run under the run "
+                              "directory without an account (or drop wandb from report_to)") from None
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log({k: (v if math.isfinite(v) else float("nan")) for k, v in scalars.items()}, step=step)
