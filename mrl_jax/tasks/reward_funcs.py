@@ -126,7 +126,11 @@ class OverlongReward:
         return (OverlongReward, (self.max_length, self.cache))
 
 
-def _builtin(entry: Mapping, task: Task, key: str) -> tuple[Callable, str, tuple[float, float], bool]:
+def _no_task(prompt: Prompt, completion: str) -> float:
+    raise RuntimeError("reward specs built without a task (config check) cannot score")
+
+
+def _builtin(entry: Mapping, task: Task | None, key: str) -> tuple[Callable, str, tuple[float, float], bool]:
     """``(fn, isolation, (low, high), success)`` of a built-in entry."""
     kind, opts = entry["builtin"], {k: v for k, v in entry.items() if k not in ("builtin", "weight", "name")}
     allowed = {"accuracy": set(), "format": {"pattern"}, "overlong": {"max_length", "cache"}}
@@ -136,6 +140,8 @@ def _builtin(entry: Mapping, task: Task, key: str) -> tuple[Callable, str, tuple
     if extra:
         raise ValueError(f"config key '{key}': builtin {kind!r} takes no {extra} (options: {sorted(allowed[kind])})")
     if kind == "accuracy":
+        if task is None:   # checking a config before the task exists
+            return _no_task, "thread", (0.0, 1.0), True
         return (getattr(task, "reward_fn", task.verify), getattr(task, "reward_isolation", "thread"),
                 (0.0, 1.0), True)
     if kind == "format":
@@ -152,9 +158,10 @@ def _builtin(entry: Mapping, task: Task, key: str) -> tuple[Callable, str, tuple
     return fn, "thread", (-1.0, 0.0), False
 
 
-def build_reward_specs(entries: Sequence[Mapping], task: Task, *, timeout_s: float) -> list[RewardSpec]:
-    """The :class:`RewardSpec` list of a config's ``rewards:`` (empty: the task's verifier alone). When no
-    ``accuracy`` entry is given, the verifier still runs with weight 0: it defines success."""
+def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout_s: float) -> list[RewardSpec]:
+    """The :class:`RewardSpec` list of a config's ``rewards:``. When no ``accuracy`` entry is given, the
+    verifier still runs with weight 0: it defines success. ``task`` None checks the entries only (ValueError
+    naming ``rewards[i]``); the accuracy placeholder then cannot score."""
     specs: list[RewardSpec] = []
     for i, entry in enumerate(entries):
         key = f"rewards[{i}]"

@@ -18,7 +18,7 @@ import numpy as np
 
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
-from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, task_reward
+from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_reward_specs, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
@@ -113,7 +113,12 @@ def _warn_config_changes(out: Path, cfg: RunConfig) -> None:
 
 
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
-    specs = list(reward_specs) if reward_specs else [task_reward(run.task, timeout_s=run.cfg.reward_timeout_s)]
+    if reward_specs:
+        specs = list(reward_specs)
+    elif run.cfg.rewards:
+        specs = build_reward_specs(run.cfg.rewards, run.task, timeout_s=run.cfg.reward_timeout_s)
+    else:
+        specs = [task_reward(run.task, timeout_s=run.cfg.reward_timeout_s)]
     return RewardScorer(specs, max_consecutive_failures=run.cfg.max_reward_failures)
 
 
@@ -162,6 +167,8 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
     summary = {"rounds": cfg.rounds, "resumed_from": start - 1 if start else None, "prompts": run.prompt_stats,
                "policies": {p.name: {"params": param_count(s), "eval": final[p.name]}
                             for p, s in zip(run.policies, state.policies)}}
+    if "population" in final:
+        summary["population"] = final["population"]
     if run.placement is not None:
         summary["plan"] = run.placement.to_dict()
         for name, pl in placement_summary(run.placement, state.policies).items():
@@ -231,8 +238,9 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
     return train(load_yaml(RunConfig, config_path), out_dir, resume=resume)
 
 
-def evaluate_from_yaml(config_path, run_dir) -> dict:
-    """``mrl eval``: held-out success per policy from the run's latest checkpoint."""
+def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temperature: float | None = None) -> dict:
+    """``mrl eval``: held-out success per policy from the run's latest checkpoint; ``samples`` K > 0 adds
+    avg@K, pass@k, maj@K and the population metrics (default: the config's eval_samples)."""
     cfg = load_yaml(RunConfig, config_path)
     run = Run(cfg)
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
@@ -241,7 +249,11 @@ def evaluate_from_yaml(config_path, run_dir) -> dict:
         state = run.place(state)
     finally:
         ckpt.close()
-    return {"round": meta["round"], "eval": run.evaluate(state, cfg.eval_prompts)}
+    res = run.evaluate(state, cfg.eval_prompts, samples=samples, temperature=temperature)
+    out = {"round": meta["round"], "eval": res}
+    if "population" in res:
+        out["population"] = res.pop("population")
+    return out
 
 
 __all__ = ["ConfigError", "Run", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",
