@@ -58,3 +58,15 @@ def test_unresolvable_reward_is_a_config_error(tmp_path, capsys):
     assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rewards[0].function" in err and "no_such_module" in err, err
+
+
+def test_experiment_config_loads_and_builds_its_task():
+    pytest.importorskip("reasoning_gym")
+    from mrl_jax.configs import load_yaml
+    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.run import build_task
+
+    cfg = load_yaml(RunConfig, Path(__file__).resolve().parents[1] / "experiments" / "reasoning" / "rg_mixture.yaml")
+    assert len(cfg.policies) == 3 and cfg.eval_samples == 8
+    task = build_task(cfg)
+    assert len(task.train_prompts()) == cfg.task.size and task.eval_prompts()
