@@ -37,6 +37,7 @@ def test_train_and_eval_report_pass_at_k_and_population(tmp_path, capsys):
     assert cli.main(["train", "--config", str(config), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     pop = summary["population"]
+    assert set(summary["before"]["population"]) == set(pop) and "pass@2" in summary["before"]["llama_bpe"]
     assert set(pop) >= {"pass@1", "pass@2", "transfer", "policies"} and len(pop["transfer"]) == 2
     for name in ("llama_bpe", "gpt2_uni"):
         ev = summary["policies"][name]["eval"]

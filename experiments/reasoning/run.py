@@ -4,8 +4,8 @@ and on a small parquet file scored by math-verify (``--variant dataset``; the fi
 
     python experiments/reasoning/run.py --out /tmp/reasoning [--variant rg|dataset] [--seeds 3] [--quick]
 
-"Before" is the held-out evaluation of the warm-started policies (the state round 0 starts from, rebuilt
-deterministically from the seed); "after" is the run's final summary. Writes results.json and results.md.
+"Before" is the held-out evaluation of the warm-started policies (summary.json's ``before``, the state round 0
+starts from); "after" is the run's final evaluation. Writes results.json and results.md.
 """
 from __future__ import annotations
 
@@ -52,14 +52,13 @@ def pick(ev: dict) -> dict:
 
 
 def one(variant: str, probes: str, seed: int, out: Path, quick: bool) -> dict:
-    from mrl_jax.trainer import Run, train
+    from mrl_jax.trainer import train
 
     run_dir = out / f"{variant}_{probes}_s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config(variant, probes, seed, out, quick)
-    warm = Run(cfg, place=False)
-    before = warm.evaluate(warm.initial_state(), cfg.eval_prompts)
     summary = train(cfg, run_dir, progress=False)
+    before = summary["before"]
     after = {n: p["eval"] for n, p in summary["policies"].items()}
     return {"variant": variant, "probes": probes, "seed": seed,
             "before": {n: pick(v) for n, v in before.items() if n != "population"} | {"population": before["population"]},

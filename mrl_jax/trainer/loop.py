@@ -208,6 +208,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
     r = start
+    # sampled evaluation of the starting (warm) state, for before/after pass@k (a resumed run has none)
+    before = run.evaluate(state, cfg.eval_prompts) if start == 0 and cfg.eval_samples else None
     try:
         with _reward_scorer(run, reward_specs) as scorer:
             trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
@@ -226,7 +228,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     finally:
         log.close()
         ckpt.close()
-    return _summary(run, state, start)
+    summary = _summary(run, state, start)
+    if before is not None:
+        summary["before"] = before
+    return summary
 
 
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
