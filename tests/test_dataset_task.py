@@ -144,6 +144,7 @@ def test_hidden_accuracy_and_failures_isolated(tmp_path):
                                 {"builtin": "format", "pattern": r"\\boxed\{\d+\}", "weight": 0.25}],
                                task, timeout_s=3.0)
     assert [(s.name, s.weight, s.success) for s in specs][-1] == ("accuracy", 0.0, True)
+    assert [s.isolation for s in specs] == ["thread", "thread", "thread", "process"]   # math-verify: processes
     with RewardScorer(specs) as scorer:
         res = scorer.score(prompts[:2], [f"\\boxed{{{2 * prompts[0].meta['row']}}}", "nope"])
     assert res.stats["reward/raises/errors"] == 2 and res.stats["reward/slow/timeouts"] == 2
@@ -159,6 +160,7 @@ def test_hidden_accuracy_and_failures_isolated(tmp_path):
     ({"builtin": "style"}, "is not one of"),
     ({"builtin": "overlong"}, "needs max_length"),
     ({"builtin": "format", "regex": "x"}, "takes no"),
+    ({"function": "tests.reward_fixtures:raises", "isolation": "fork"}, r"isolation': 'fork' is not"),
 ])
 def test_reward_config_errors(tmp_path, entry, match):
     task, _ = _prompts(tmp_path)

@@ -1,6 +1,6 @@
 """Reward functions named in a run config (``rewards:``), with TRL's signature, and the built-ins.
 
-A config entry is ``{function: "package.module:name", weight, name}`` or ``{builtin: accuracy | format |
+A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process}`` or ``{builtin: accuracy | format |
 overlong, weight, name, ...options}``. A user function has TRL's signature::
 
     fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
@@ -170,15 +170,18 @@ def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout
                              f"{' | '.join(BUILTINS)}'")
         weight = float(entry.get("weight", 1.0))
         if "function" in entry:
-            extra = sorted(set(entry) - {"function", "weight", "name"})
+            extra = sorted(set(entry) - {"function", "weight", "name", "isolation"})
             if extra:
-                raise ValueError(f"config key '{key}': unknown options {extra} (function, weight, name)")
+                raise ValueError(f"config key '{key}': unknown options {extra} (function, weight, name, isolation)")
+            isolation = entry.get("isolation", "thread")
+            if isolation not in ("thread", "process"):
+                raise ValueError(f"config key '{key}.isolation': {isolation!r} is not 'thread' or 'process'")
             try:
                 fn = TRLReward(entry["function"])
             except ValueError as e:
                 raise ValueError(str(e).replace("'rewards'", f"'{key}.function'")) from None
             name = entry.get("name") or entry["function"].rpartition(":")[2].rpartition(".")[2]
-            specs.append(RewardSpec(fn, weight=weight, name=name, timeout_s=timeout_s, isolation="thread",
+            specs.append(RewardSpec(fn, weight=weight, name=name, timeout_s=timeout_s, isolation=isolation,
                                     low=-math.inf, high=math.inf, allow_none=True))
             continue
         fn, isolation, (low, high), success = _builtin(entry, task, key)

@@ -326,7 +326,8 @@ class RunConfig:
     eval_temperature: float = field(1.0, help="sampling temperature of the eval_samples completions")
     rewards: list[dict[str, Any]] = field(
         default_factory=list,
-        help="reward functions (TRL's reward_funcs + reward_weights): [{function: 'pkg.mod:name', weight, name}, "
+        help="reward functions (TRL's reward_funcs + reward_weights): [{function: 'pkg.mod:name', weight, name, "
+             "isolation: thread | process}, "
              "{builtin: accuracy | format (pattern) | overlong (max_length, cache), weight, name}]; user functions "
              "take TRL's (prompts, completions, completion_ids, **columns) and return floats or None; the total is "
              "the weighted sum. Empty = the task's verifier alone. A verified success (SEE, SGT's rescue set, "
