@@ -61,7 +61,8 @@ def one(variant: str, probes: str, seed: int, out: Path, quick: bool) -> dict:
     before = summary["before"]
     after = {n: p["eval"] for n, p in summary["policies"].items()}
     return {"variant": variant, "probes": probes, "seed": seed,
-            "before": {n: pick(v) for n, v in before.items() if n != "population"} | {"population": before["population"]},
+            "before": {n: pick(v) for n, v in before.items() if n != "population"}
+            | {"population": before["population"]},
             "after": {n: pick(v) for n, v in after.items()} | {"population": summary["population"]}}
 
 

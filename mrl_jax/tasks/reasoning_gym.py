@@ -95,7 +95,8 @@ class ReasoningGymTask(Task):
 
     def _build(self):
         train = self._prompts(self._composite(self.size, self.seed), 0, set())
-        ev = self._prompts(self._composite(self.eval_size, self.seed + EVAL_SEED_OFFSET), _EVAL_OFFSET, {p.text for p in train})
+        ev = self._prompts(self._composite(self.eval_size, self.seed + EVAL_SEED_OFFSET), _EVAL_OFFSET,
+                           {p.text for p in train})
         return train, ev
 
     def verify(self, prompt: Prompt, completion: str) -> float:

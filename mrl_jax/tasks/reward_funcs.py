@@ -1,7 +1,7 @@
 """Reward functions named in a run config (``rewards:``), with TRL's signature, and the built-ins.
 
-A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process}`` or ``{builtin: accuracy | format |
-overlong, weight, name, ...options}``. A user function has TRL's signature::
+A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process}`` or
+``{builtin: accuracy | format | overlong, weight, name, ...options}``. A user function has TRL's signature::
 
     fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
 

@@ -6,7 +6,8 @@ answer is parsed once per distinct answer text (an LRU cache in each process).
 
 * ``math_verify`` -- Hugging Face's ``math-verify`` (as TRL's ``accuracy_reward``): the gold is parsed as
   LaTeX (``\\frac12``, ``\\sqrt{8}``, ``(1, 2]``, ``\\{1,2\\}``; a ``####`` line is read first, GSM8K style),
-  the completion's last ``\\boxed{}`` / final-answer expression is parsed and compared symbolically.
+  the completion's ``\\boxed{}`` answer (several boxed answers are read as their set) or final-answer
+  expression is parsed and compared symbolically.
 * ``gsm8k`` -- the text after the last ``####`` (else the last number) compared numerically.
 * ``exact`` -- the stripped completion equals the stripped gold.
 
@@ -14,9 +15,10 @@ Time limits. math-verify bounds its own parsing and comparison with ``signal.ala
 process's main thread. Here its own limit is on exactly when the call runs in a main thread (a direct call
 such as held-out evaluation, or a reward worker *process*) and off in any other thread. In training the
 dataset task's accuracy reward runs with ``isolation="process"`` under ``reward_timeout_s`` (in the worker's
-main thread math-verify's own 5 s limit applies too; whichever ends first decides): a pathological answer (``\\boxed{9^{9^{9^{9^9}}}}``: sympy computes the power in one C call that no signal interrupts) gets
-its worker process killed, scores 0 and is counted as a timeout; a thread could not be killed and would keep
-a core busy for the rest of the run.
+main thread math-verify's own 5 s limit applies too; whichever ends first decides): a pathological answer
+(``\\boxed{9^{9^{9^{9^9}}}}``, on which sympy's comparison never ends) gets its worker process killed,
+scores 0 and is counted as a timeout; a thread could not be stopped and would keep a core busy (and its
+memory growing) for the rest of the run.
 """
 from __future__ import annotations
 

@@ -214,8 +214,9 @@ def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
     max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
     for ln in lanes:
         lps = [ln.out.logprobs[b, :len(c)] for b, c in enumerate(ln.content)]
+        rewards = gate_success(ln.score.rewards, _accuracy(ln.score), see.tau)   # success = the verifier's
         exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
-                                      gate_success(ln.score.rewards, _accuracy(ln.score), see.tau), src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
+                                      rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
                                       round=inputs.index, max_bytes=max_bytes, max_src_tokens=max_src)
         see, ln.see_info = _see_add(see, exp)
     return see

@@ -17,7 +17,8 @@ import numpy as np
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
-from mrl_jax.tasks import ArithmeticTask, DatasetError, DatasetTask, JsonlTask, Prompt, StringTask, Task, default_mixture
+from mrl_jax.tasks import (ArithmeticTask, DatasetError, DatasetTask, JsonlTask, Prompt, StringTask, Task,
+                           default_mixture)
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
