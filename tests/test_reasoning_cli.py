@@ -24,7 +24,7 @@ def _config(tmp_path: Path, **over) -> Path:
     cfg = yaml.safe_load(TINY.read_text())
     cfg.update(rounds=2, eval_every=1, eval_prompts=5, eval_samples=2, checkpoint_every=2,
                task={"name": "dataset", "path": str(data), "eval_fraction": 0.3},
-               rewards=[{"builtin": "accuracy"}, {"function": "tests.reward_fixtures:length_bonus", "weight": 0.1}])
+               rewards=[{"builtin": "accuracy"}, {"function": "tests.reward_fixtures:length_bonus", "weight": 2.0}])
     cfg.update(over)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -47,6 +47,9 @@ def test_train_and_eval_report_pass_at_k_and_population(tmp_path, capsys):
     assert any(r["policy"] == "population/eval" and "pass@2" in r for r in records)
     rounds = [r for r in records if r["policy"] == "llama_bpe"]
     assert rounds and all("rewards/length_bonus/mean" in r and "rewards/accuracy/std" in r for r in rounds)
+    # 2.0 x 0.1 per token lifts most wrong answers over tau = 1: success must still be the verifier's
+    assert any(r["reward/mean"] >= 1.0 for r in rounds)
+    assert all(r["reward/success_rate"] == pytest.approx(r["rewards/accuracy/mean"]) for r in rounds)
     assert cli.main(["eval", "--config", str(config), "--run", str(out), "--out", str(tmp_path / "ev"),
                      "--samples", "4", "--temperature", "0.7"]) == 0
     res = json.loads((tmp_path / "ev" / "summary.json").read_text())
