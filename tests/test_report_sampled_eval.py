@@ -25,3 +25,16 @@ def test_report_plots_pass_at_k_and_tables_population(tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| policy | pass@1 | pass@4 |" in md and "| b | 0.125 | 0.375 |" in md
     assert "| **population** | 0.4 | 0.75 |" in md and "| b | 0.25 | 0 |" in md
+
+
+def test_complementarity_uses_the_logged_verifier_success():
+    from mrl_jax.report.data import complementarity
+
+    groups = [{"round": 0, "policy": "a", "prompt_ids": [1, 2], "rewards": [[1.2, 0.0], [0.0, 0.0]], "tau": 1.0,
+               "success": [[False, False], [False, False]]},
+              {"round": 0, "policy": "b", "prompt_ids": [1, 2], "rewards": [[0.5, 0.0], [1.0, 0.0]], "tau": 1.0,
+               "success": [[False, False], [True, False]]}]
+    assert complementarity(groups, ["a", "b"])["mean"] == [[0.0, 0.5], [0.0, 0.0]]
+    for g in groups:
+        del g["success"]   # older logs: reward >= tau
+    assert complementarity(groups, ["a", "b"])["mean"] == [[0.0, 0.5], [0.5, 0.0]]

@@ -104,7 +104,8 @@ def load_run(run_dir: str | Path) -> RunRecords:
 
 def complementarity(groups: list[dict], policies: list[str]) -> dict:
     """Per round, ``matrix[i][j]`` = fraction of the round's prompts on which policy i has no success among
-    its samples (every reward < tau) while policy j has at least one (SGT's rescue opportunities for i).
+    its samples (every reward < tau, or the logged verifier ``success``) while policy j has at least one (SGT's
+    rescue opportunities for i).
 
     Returns ``{"policies", "rounds": [r], "matrix": f[R][N][N], "mean": f[N][N], "prompts": [P per round]}``;
     a round is used only when every policy logged it on the same prompts (a killed run's last round may
@@ -119,8 +120,9 @@ def complementarity(groups: list[dict], policies: list[str]) -> dict:
             continue
         if len({tuple(map(str, got[p]["prompt_ids"])) for p in policies}) != 1:
             continue
-        success = [np.any(np.asarray(got[p]["rewards"], np.float64) >= float(got[p]["tau"]), axis=1)
-                   for p in policies]
+        success = [np.any(np.asarray(got[p]["success"], bool) if "success" in got[p] else
+                          np.asarray(got[p]["rewards"], np.float64) >= float(got[p]["tau"]), axis=1)
+                   for p in policies]   # "success": the verifier's, when the rewards have other components
         mat = np.asarray([[float(np.mean(~si & sj)) for sj in success] for si in success])
         rounds.append(r)
         mats.append(mat.tolist())

@@ -296,6 +296,8 @@ def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> di
     # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
     # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
     m["groups"] = {"prompt_ids": [p.id for p in inputs.prompts], "rewards": r.tolist(), "tau": float(tau)}
+    if acc is not None:   # success is the verifier's, not reward >= tau (rewards: config with other components)
+        m["groups"]["success"] = success.tolist()
     m.update(inputs.counts)
     return m
 
