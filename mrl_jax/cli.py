@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint, or of an "
                         "exported model directory (--model)")
     ev.add_argument("--config", required=True, type=Path, help="the run's YAML config (or its config.json)")
+    ev.add_argument("--samples", type=int, default=None, metavar="K",
+                    help="K sampled completions per held-out prompt: avg@K, pass@k (k = 1, 2, 4, ..., K), maj@K and "
+                         "the population metrics (default: the config's eval_samples)")
+    ev.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature of --samples (default: the config's eval_temperature)")
     ev.add_argument("--run", type=Path, default=None, help="the run directory holding checkpoints/ (default: --out)")
     ev.add_argument("--model", type=Path, default=None,
                     help="evaluate this directory of `mrl export` (HF or PEFT adapter) instead of a run's checkpoint")
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 summary = evaluate_exported(args.config, args.model, args.policy)
             else:
-                summary = evaluate_from_yaml(args.config, args.run or args.out)
+                summary = evaluate_from_yaml(args.config, args.run or args.out, samples=args.samples,
+                                             temperature=args.temperature)
         elif args.verb == "export":
             from mrl_jax.export import export_policy
 

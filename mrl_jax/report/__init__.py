@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from mrl_jax.report.data import PROBE_PREFIXES, RunRecords, complementarity, load_run
-from mrl_jax.report.figures import complementarity_figure, metric_panels
+from mrl_jax.report.figures import complementarity_figure, metric_panels, sampled_eval_figure
 
 LAST_ROUND_KEYS = ("reward/mean", "reward/success_rate", "kl", "entropy", "frac_reward_zero_std",
                    "completion/mean_length")
@@ -36,7 +36,28 @@ def _figures(run: RunRecords, out: Path) -> dict[str, str]:
     for name, keys, title, evals in plans:
         if keys:
             made[name] = metric_panels(run, keys, out / f"{name}.png", title, evals=evals).name
+    if any("pass@1" in e for e in run.evals):
+        made["pass_at_k"] = sampled_eval_figure(run, out / "pass_at_k.png").name
     return made
+
+
+def _population_table(summary: dict | None) -> list[str]:
+    """Final sampled evaluation (summary.json): per-policy and population pass@k, and the transfer matrix."""
+    pop = (summary or {}).get("population")
+    if not pop:
+        return []
+    keys = [k for k in pop if "@" in k]
+    lines = ["## Sampled evaluation (end of run)", "", "| policy | " + " | ".join(keys) + " |",
+             "|---" * (len(keys) + 1) + "|"]
+    for p, entry in (summary.get("policies") or {}).items():
+        ev = entry.get("eval", {})
+        lines.append(f"| {p} | " + " | ".join(_fmt(ev.get(k, "")) for k in keys) + " |")
+    lines += ["| **population** | " + " | ".join(_fmt(pop[k]) for k in keys) + " |", "",
+              "Transfer: fraction of held-out prompts the column policy solves (any sample) and the row policy "
+              "does not:", "", "| row \\ column | " + " | ".join(pop["policies"]) + " |",
+              "|---" * (len(pop["policies"]) + 1) + "|"]
+    lines += [f"| {a} | " + " | ".join(_fmt(v) for v in row) + " |" for a, row in zip(pop["policies"], pop["transfer"])]
+    return lines + [""]
 
 
 def _fmt(value) -> str:
@@ -127,7 +148,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path, *, samples_per_policy
     status = "finished" if finished else "in progress or stopped (no summary.json yet)"
     md = [f"# Run report: `{run.run_dir}`", "",
           f"Status: {status}; {run.last_round + 1} round(s) logged; policies: {', '.join(run.policies)}.", ""]
-    md += _last_round_table(run) + [""] + _eval_table(run) + [""]
+    md += _last_round_table(run) + [""] + _eval_table(run) + [""] + _population_table(run.summary)
     if comp["rounds"] and len(run.policies) > 1:
         md += _complementarity_table(comp) + [""]
     else:

@@ -33,7 +33,8 @@ class RunRecords:
 
     run_dir: Path
     train: list[dict]      # metrics.jsonl records of training rounds
-    evals: list[dict]      # metrics.jsonl records of held-out evaluations: {"round", "policy", "success"}
+    evals: list[dict]      # held-out evaluations: {"round", "policy", "success", pass@k...}; policy "population"
+                           # holds the population metrics (its success = population pass@1)
     groups: list[dict]     # groups.jsonl: {"round", "policy", "prompt_ids", "rewards" [P][G], "tau"}
     samples: list[dict]    # samples.jsonl
     summary: dict | None   # summary.json (written when the run finished)
@@ -92,7 +93,8 @@ def load_run(run_dir: str | Path) -> RunRecords:
         raise FileNotFoundError(f"{run_dir} is not a run directory: no metrics.jsonl (made by `mrl train`)")
     records = read_jsonl(metrics_path)
     train = [r for r in records if "policy" in r and "round" in r and not str(r["policy"]).endswith("/eval")]
-    evals = [{"round": int(r["round"]), "policy": str(r["policy"])[:-len("/eval")], "success": _float(r.get("success"))}
+    evals = [{"round": int(r["round"]), "policy": str(r["policy"])[:-len("/eval")], "success": _float(r.get("success")),
+              **{k: _float(v) for k, v in r.items() if "@" in k}}   # sampled eval: avg@K, pass@k, maj@K
              for r in records if "round" in r and str(r.get("policy", "")).endswith("/eval")]
     return RunRecords(run_dir=run_dir, train=train, evals=evals,
                       groups=read_jsonl(run_dir / "groups.jsonl"),
@@ -102,7 +104,8 @@ def load_run(run_dir: str | Path) -> RunRecords:
 
 def complementarity(groups: list[dict], policies: list[str]) -> dict:
     """Per round, ``matrix[i][j]`` = fraction of the round's prompts on which policy i has no success among
-    its samples (every reward < tau) while policy j has at least one (SGT's rescue opportunities for i).
+    its samples (every reward < tau, or the logged verifier ``success``) while policy j has at least one (SGT's
+    rescue opportunities for i).
 
     Returns ``{"policies", "rounds": [r], "matrix": f[R][N][N], "mean": f[N][N], "prompts": [P per round]}``;
     a round is used only when every policy logged it on the same prompts (a killed run's last round may
@@ -117,8 +120,9 @@ def complementarity(groups: list[dict], policies: list[str]) -> dict:
             continue
         if len({tuple(map(str, got[p]["prompt_ids"])) for p in policies}) != 1:
             continue
-        success = [np.any(np.asarray(got[p]["rewards"], np.float64) >= float(got[p]["tau"]), axis=1)
-                   for p in policies]
+        success = [np.any(np.asarray(got[p]["success"], bool) if "success" in got[p] else
+                          np.asarray(got[p]["rewards"], np.float64) >= float(got[p]["tau"]), axis=1)
+                   for p in policies]   # "success": the verifier's, when the rewards have other components
         mat = np.asarray([[float(np.mean(~si & sj)) for sj in success] for si in success])
         rounds.append(r)
         mats.append(mat.tolist())

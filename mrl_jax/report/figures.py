@@ -110,6 +110,33 @@ def metric_panels(run: RunRecords, keys: Sequence[str], path: Path, title: str, 
     return path
 
 
+def sampled_eval_figure(run: RunRecords, path: Path) -> Path:
+    """One panel per sampled-eval metric (pass@k, avg@K, maj@K): a line per policy, the population dashed."""
+    plt = _plt()
+    keys = sorted({k for e in run.evals for k in e if "@" in k}, key=lambda k: (k.split("@")[0], int(k.split("@")[1])))
+    cols = min(len(keys), 4)
+    fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(keys) / cols)),
+                             squeeze=False)
+    names = list(dict.fromkeys(e["policy"] for e in run.evals))
+    for ax, key in zip(axes.flat, keys):
+        for i, name in enumerate(names):
+            pts = sorted((e["round"], e[key]) for e in run.evals if e["policy"] == name and key in e)
+            if pts:
+                pop = name == "population"
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if pop else "-", color="k" if pop else f"C{i}",
+                        label=name)
+        ax.set_title(f"held-out {key}", fontsize=10)
+        ax.set_xlabel("round")
+    axes.flat[0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("sampled held-out evaluation (population: solved by any policy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def complementarity_figure(comp: dict, path: Path) -> Path:
     """Left: the matrix averaged over rounds; right: each ordered pair (i fails all, j succeeds) over rounds."""
     plt = _plt()

@@ -1,4 +1,4 @@
-"""Verifiable tasks (generators + exact verifiers), local JSONL data, and the isolated reward API.
+"""Verifiable tasks (generators + exact verifiers), local datasets, verifiers, and the isolated reward API.
 
 Built-in tasks are deterministic from a seed, split into disjoint train / held-out prompts, and carry a
 task token in every prompt text (``"add:12+47="``, ``"rev:abc="``, ``"fact:q7="``) so one model can
@@ -15,6 +15,7 @@ from .base import (
     filter_prompts,
     hash_unit,
 )
+from .dataset import DatasetError, DatasetTask, load_local_dataset
 from .facts import FactTableTask, default_mixture
 from .jsonl import (
     JsonlFormatError,
@@ -33,14 +34,28 @@ from .rewards import (
     RewardScorer,
     RewardSpec,
     ScoreResult,
+    gate_success,
     score_batch,
     task_reward,
 )
+from .reward_funcs import Completion, build_reward_specs, resolve_function
+from .verifiers import VERIFIERS, Verifier, VerifierReward, get_verifier
 from .strings import STRING_OPS, StringTask
 
 __all__ = [
     "ARITH_OPS",
     "ArithmeticTask",
+    "Completion",
+    "DatasetError",
+    "DatasetTask",
+    "VERIFIERS",
+    "Verifier",
+    "VerifierReward",
+    "build_reward_specs",
+    "gate_success",
+    "get_verifier",
+    "load_local_dataset",
+    "resolve_function",
     "FAILURE_KINDS",
     "FactTableTask",
     "ID_BLOCK",

@@ -37,8 +37,10 @@ def _short(v: Any, n: int = 60) -> str:
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
-def _classify(v: Any, low: float, high: float) -> tuple[str, float, str | None]:
-    """``(kind, value, message)``: kind "ok" or one of FAILURE_KINDS."""
+def _classify(v: Any, low: float, high: float, allow_none: bool = False) -> tuple[str, float, str | None]:
+    """``(kind, value, message)``: kind "ok" or one of FAILURE_KINDS; an allowed None is "ok" with NaN."""
+    if v is None and allow_none:
+        return "ok", math.nan, None
     t = type(v)
     try:
         if t is float or t is int or t is bool:
@@ -73,9 +75,10 @@ def _format_exc(e: BaseException) -> str:
     return msg + where
 
 
-def _call(fn: RewardFn, prompt: Any, completion: Any, low: float, high: float) -> tuple[str, float, str | None]:
+def _call(fn: RewardFn, prompt: Any, completion: Any, low: float, high: float,
+          allow_none: bool = False) -> tuple[str, float, str | None]:
     try:
-        return _classify(fn(prompt, completion), low, high)
+        return _classify(fn(prompt, completion), low, high, allow_none)
     except BaseException as e:  # noqa: BLE001 -- isolate everything, including SystemExit
         return "errors", 0.0, _format_exc(e)
 
@@ -86,12 +89,13 @@ Record = Callable[[int, str, float, "str | None"], bool]
 
 # ---------------------------------------------------------------------------------- thread runner
 class _Job:
-    __slots__ = ("fn", "prompts", "completions", "start", "low", "high", "record",
+    __slots__ = ("fn", "prompts", "completions", "start", "low", "high", "allow_none", "record",
                  "state", "finished", "abandoned", "stopped", "lock", "done")
 
-    def __init__(self, fn, prompts, completions, start, low, high, record):
+    def __init__(self, fn, prompts, completions, start, low, high, record, allow_none=False):
         self.fn, self.prompts, self.completions = fn, prompts, completions
         self.start, self.low, self.high, self.record = start, low, high, record
+        self.allow_none = allow_none
         self.state = (start, time.perf_counter())  # (position being called, its start time)
         self.finished = start  # positions < finished are recorded
         self.abandoned = self.stopped = False
@@ -107,7 +111,7 @@ def _thread_worker_main(jobs: "queue.SimpleQueue[_Job | None]") -> None:
         fn, prompts, completions, low, high = job.fn, job.prompts, job.completions, job.low, job.high
         for pos in range(job.start, len(prompts)):
             job.state = (pos, time.perf_counter())
-            kind, val, msg = _call(fn, prompts[pos], completions[pos], low, high)
+            kind, val, msg = _call(fn, prompts[pos], completions[pos], low, high, job.allow_none)
             with job.lock:
                 if job.abandoned:
                     return  # the caller timed this call out and replaced this thread
@@ -142,7 +146,8 @@ class _ThreadRunner:
         n, start, timeout = len(prompts), 0, self.spec.timeout_s
         while start < n:
             self._ensure_worker()
-            job = _Job(self.spec.fn, prompts, completions, start, self.spec.low, self.spec.high, record)
+            job = _Job(self.spec.fn, prompts, completions, start, self.spec.low, self.spec.high, record,
+                       self.spec.allow_none)
             self._queue.put(job)
             while True:
                 st = job.state
@@ -176,7 +181,7 @@ class _ThreadRunner:
 
 
 # --------------------------------------------------------------------------------- process runner
-def _process_worker_main(conn, payload: bytes, low: float, high: float) -> None:
+def _process_worker_main(conn, payload: bytes, low: float, high: float, allow_none: bool = False) -> None:
     try:
         fn = pickle.loads(payload)
     except BaseException as e:  # noqa: BLE001
@@ -191,7 +196,7 @@ def _process_worker_main(conn, payload: bytes, low: float, high: float) -> None:
         if items is None:
             return
         for pos, prompt, completion in items:
-            kind, val, msg = _call(fn, prompt, completion, low, high)
+            kind, val, msg = _call(fn, prompt, completion, low, high, allow_none)
             conn.send((pos, kind, val, msg))
 
 
@@ -223,7 +228,7 @@ class _ProcessRunner:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_process_worker_main,
-            args=(child, self._payload, self.spec.low, self.spec.high),
+            args=(child, self._payload, self.spec.low, self.spec.high, self.spec.allow_none),
             daemon=True,
             name=f"reward-{self.spec.name}",
         )

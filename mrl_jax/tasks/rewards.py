@@ -69,6 +69,10 @@ class RewardSpec:
       isolation: "thread" or "process" (see the module docstring).
       low, high: valid range of the returned value; outside it the call scores 0 (``out_of_range``).
       num_workers: worker processes for ``isolation="process"`` (a batch is split between them).
+      allow_none: a None return means "not applicable" (TRL): the value is NaN, left out of the weighted sum
+        and of this function's mean/std, and not a failure.
+      success: this function is the task's verifier: its value (not the weighted sum) decides a verified
+        success (``ScoreResult.accuracy``; at most one per scorer).
     """
 
     fn: RewardFn
@@ -79,6 +83,8 @@ class RewardSpec:
     low: float = 0.0
     high: float = 1.0
     num_workers: int = 1
+    allow_none: bool = False
+    success: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -105,16 +111,34 @@ class RewardSpec:
 
 
 def task_reward(task: Task, *, weight: float = 1.0, timeout_s: float = 1.0, name: str | None = None) -> RewardSpec:
-    """The built-in verifier of ``task`` as a reward (thread fast path, time-limited, range [0, 1])."""
-    return RewardSpec(task.verify, weight=weight, name=name or task.name, timeout_s=timeout_s, isolation="thread")
+    """The built-in verifier of ``task`` as a reward (time-limited, range [0, 1]): ``task.reward_fn`` in
+    ``task.reward_isolation`` where the task sets them (the dataset task: math-verify in worker processes),
+    else ``task.verify`` on the thread fast path."""
+    return RewardSpec(getattr(task, "reward_fn", task.verify), weight=weight, name=name or task.name,
+                      timeout_s=timeout_s, isolation=getattr(task, "reward_isolation", "thread"))
+
+
+def gate_success(rewards: np.ndarray, accuracy: np.ndarray | None, tau: float) -> np.ndarray:
+    """f32[B] rewards whose ``>= tau`` test (SEE's success) agrees with the verifier's ``accuracy >= tau``: a row
+    the verifier passes is raised to at least ``tau``, a row it fails is lowered just below ``tau``; rows where
+    both agree (all of them when ``accuracy`` is None) are unchanged. So a format bonus never makes a wrong
+    answer a shared success or a rescue target."""
+    r = np.asarray(rewards, np.float32)
+    if accuracy is None:
+        return r
+    ok = np.asarray(accuracy, np.float32) >= tau
+    below = np.nextafter(np.float32(tau), np.float32(-np.inf))
+    return np.where(ok, np.maximum(r, np.float32(tau)), np.minimum(r, below)).astype(np.float32)
 
 
 class ScoreResult(NamedTuple):
-    """rewards: f32[B] weighted sum; per_function: f32[B, K] raw values (0 on failure); stats: dict."""
+    """rewards: f32[B] weighted sum (None values left out); per_function: f32[B, K] raw values (0 on failure,
+    NaN for None); stats: dict; accuracy: f32[B] of the ``success`` function, or None when no spec is one."""
 
     rewards: np.ndarray
     per_function: np.ndarray
     stats: dict
+    accuracy: np.ndarray | None = None
 
 
 # -------------------------------------------------------------------------------------- scorer
@@ -163,6 +187,8 @@ class RewardScorer:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"reward names must be unique, got duplicates {dup}; pass name= to RewardSpec")
+        if sum(s.success for s in specs) > 1:
+            raise ValueError("at most one RewardSpec may have success=True (the task's verifier)")
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError("mp_context must be 'spawn' or 'forkserver' ('fork' is unsafe with JAX threads)")
         if max_consecutive_failures is not None and max_consecutive_failures < 0:
@@ -181,13 +207,21 @@ class RewardScorer:
         self.totals = {s.name: dict.fromkeys(FAILURE_KINDS, 0) for s in specs}
         self._closed = False
 
-    def score(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> ScoreResult:
-        """Score ``completions[i]`` for ``prompts[i]`` with every function; see :class:`ScoreResult`."""
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[str],
+              completion_ids: Sequence[Sequence[int]] | None = None) -> ScoreResult:
+        """Score ``completions[i]`` for ``prompts[i]`` with every function; see :class:`ScoreResult`.
+        ``completion_ids``: the token ids of each completion, handed to the functions as ``completion.ids``."""
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
         B = len(prompts)
         if len(completions) != B:
             raise ValueError(f"score: {B} prompts but {len(completions)} completions")
+        if completion_ids is not None:
+            from .reward_funcs import Completion
+
+            if len(completion_ids) != B:
+                raise ValueError(f"score: {B} completions but {len(completion_ids)} completion_ids")
+            completions = [Completion(c, ids) for c, ids in zip(completions, completion_ids)]
         K = len(self.specs)
         per = np.zeros((B, K), np.float32)
         stats: dict[str, Any] = {}
@@ -219,7 +253,10 @@ class RewardScorer:
                 self.totals[spec.name][kind] += c
             per[:, k] = values
             pre = f"reward/{spec.name}/"
-            stats[pre + "mean"] = float(per[:, k].mean()) if B else 0.0
+            col = per[:, k][~np.isnan(per[:, k])]
+            stats[pre + "mean"] = float(col.mean()) if col.size else 0.0
+            stats[f"rewards/{spec.name}/mean"] = stats[pre + "mean"]
+            stats[f"rewards/{spec.name}/std"] = float(col.std()) if col.size else 0.0
             for kind in FAILURE_KINDS:
                 stats[pre + kind] = tally.counts[kind]
             stats[pre + "failures"] = sum(tally.counts.values())
@@ -235,12 +272,12 @@ class RewardScorer:
                     f"their {spec.timeout_s} s limit); use RewardSpec(isolation='process') so hung calls can be "
                     f"killed. Failures: {tally.samples[:3]}"
                 )
-        rewards = per @ self.weights if K > 1 else per[:, 0] * self.weights[0]
-        rewards = rewards.astype(np.float32)
+        rewards = np.nansum(per * self.weights, axis=1).astype(np.float32)
         stats["reward/mean"] = float(rewards.mean()) if B else 0.0
         stats["reward/std"] = float(rewards.std()) if B else 0.0
         stats["reward/time_s"] = time.perf_counter() - t_all
-        return ScoreResult(rewards, per, stats)
+        acc = [k for k, s in enumerate(self.specs) if s.success]
+        return ScoreResult(rewards, per, stats, np.nan_to_num(per[:, acc[0]]) if acc else None)
 
     def _failure_message(self, spec: RewardSpec, tally: _Tally) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in tally.counts.items() if v)

@@ -240,15 +240,45 @@ class PolicySpec:
 class TaskSpec:
     """The verifiable task."""
 
-    name: Literal["mixture", "arith", "reverse", "jsonl"] = field(
+    name: Literal["mixture", "arith", "reverse", "jsonl", "dataset", "reasoning_gym"] = field(
         "mixture", help="mixture = add/rev/copy + a fact table split in parts A and B; arith = 2-digit addition; "
-                        "reverse = string reversal; jsonl = a local file")
-    path: Optional[str] = field(None, help="jsonl: local file of {prompt, answer} lines")
+                        "reverse = string reversal; jsonl = a local file; dataset = a local file or save_to_disk "
+                        "directory read by `datasets` (mrl_jax.tasks.dataset); reasoning_gym = generated "
+                        "reasoning-gym datasets")
+    path: Optional[str] = field(None, help="jsonl / dataset: the local file (dataset: parquet, jsonl, json, csv, arrow "
+                                           "or a save_to_disk directory; never the hub)")
     num_facts: int = field(32, help="mixture: fact table size")
-    seed: int = field(0, help="task generator seed")
+    seed: int = field(0, help="task generator seed (dataset: seed of the eval_fraction hash split; reasoning_gym: "
+                              "train seed, the eval set uses a seed 1_000_000_007 above it)")
+    format: Literal["auto", "json", "jsonl", "parquet", "csv", "arrow"] = field(
+        "auto", help="dataset: file format (auto = from the extension)")
+    split: Optional[str] = field(None, help="dataset: split of a save_to_disk DatasetDict (default train)")
+    prompt_field: str = field("prompt", help="dataset: prompt column: a string (TRL standard) or messages "
+                                             "[{role: system}?, {role: user}] (TRL conversational)")
+    answer_field: str = field("answer", help="dataset: reference-answer column; every column but the prompt reaches "
+                                             "reward functions as a keyword argument")
+    id_field: Optional[str] = field(None, help="dataset: integer id column (default: row position in the file)")
+    eval_path: Optional[str] = field(None, help="dataset: held-out prompts from this file")
+    eval_split: Optional[str] = field(None, help="dataset: held-out prompts from this split of the directory")
+    eval_fraction: float = field(0.1, help="dataset: held-out fraction of the rows (seeded hash of the prompt) when "
+                                           "neither eval_path nor eval_split is given")
+    system_prompt: Optional[str] = field(None, help="dataset: text written before every prompt (blank line between)")
+    verifier: Literal["math_verify", "gsm8k", "exact"] = field(
+        "math_verify", help="dataset: answer check (math_verify = HF math-verify, run in reward worker processes "
+                            "under reward_timeout_s; gsm8k = the number after ####; exact = stripped equality)")
+    datasets: dict[str, float] = field(default_factory=dict, help="reasoning_gym: {dataset name: weight}")
+    config: dict[str, dict] = field(default_factory=dict, help="reasoning_gym: {dataset name: its config options}")
+    size: int = field(1000, help="reasoning_gym: train prompts generated (eval: eval_prompts of the run)")
 
     def __post_init__(self):
         check(self.name != "jsonl" or self.path is not None, "path", "task 'jsonl' needs a path to the .jsonl file")
+        check(self.name != "dataset" or self.path is not None, "path", "task 'dataset' needs a local file or directory")
+        check(self.name != "reasoning_gym" or bool(self.datasets), "datasets",
+              "task 'reasoning_gym' needs {dataset name: weight, ...}")
+        check(0.0 <= self.eval_fraction < 1.0, "eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
+        check(self.size > 0, "size", f"must be > 0, got {self.size}")
+        check(sum(x is not None for x in (self.eval_path, self.eval_split)) <= 1, "eval_path",
+              "give eval_path or eval_split, not both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +360,19 @@ class RunConfig:
     keep_checkpoints: int = field(2, help="complete checkpoints kept")
     eval_every: int = field(0, help="rounds between held-out evaluations; 0 = only at the end")
     eval_prompts: int = field(128, help="held-out prompts per evaluation")
+    eval_samples: int = field(0, help="sampled completions per held-out prompt at each evaluation (0 = greedy only): "
+                                      "adds avg@K, pass@k for k = 1, 2, 4, ..., K, maj@K and the population metrics "
+                                      "(mrl_jax.evaluation)")
+    eval_temperature: float = field(1.0, help="sampling temperature of the eval_samples completions")
+    rewards: list[dict[str, Any]] = field(
+        default_factory=list,
+        help="reward functions (TRL's reward_funcs + reward_weights): [{function: 'pkg.mod:name', weight, name, "
+             "isolation: thread | process}, "
+             "{builtin: accuracy | format (pattern) | overlong (max_length, cache), weight, name}]; user functions "
+             "take TRL's (prompts, completions, completion_ids, **columns) and return floats or None; the total is "
+             "the weighted sum. Empty = the task's verifier alone. A verified success (SEE, SGT's rescue set, "
+             "success_rate) is the verifier's accuracy >= see.success_threshold, never the weighted sum "
+             "(mrl_jax.tasks.reward_funcs)")
     reward_timeout_s: float = field(5.0, help="time limit of one reward call")
     max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
     max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
@@ -362,7 +405,15 @@ class RunConfig:
         check(self.reward_timeout_s > 0, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         for key in ("eval_prompts", "max_skipped_updates"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("eval_every", "max_reward_failures"):
+        if self.rewards:
+            from mrl_jax.tasks.reward_funcs import build_reward_specs
+
+            try:
+                build_reward_specs(self.rewards, None, timeout_s=self.reward_timeout_s)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(str(e)) from None
+        check(self.eval_temperature > 0, "eval_temperature", f"must be > 0, got {self.eval_temperature}")
+        for key in ("eval_every", "max_reward_failures", "eval_samples"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         claimed: dict[int, str] = {}
         for p in self.policies:

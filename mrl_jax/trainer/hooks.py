@@ -136,11 +136,17 @@ def log_hook(log) -> Callable[[RoundInfo], None]:
 
 
 def eval_hook(run, log, num_prompts: int) -> Callable[[RoundInfo], None]:
-    """Held-out greedy success of every policy (``run.evaluate``) to the run log as ``<policy>/eval``."""
+    """Held-out greedy success of every policy (``run.evaluate``) to the run log as ``<policy>/eval``; with
+    ``eval_samples`` also its avg@K / pass@k / maj@K, and the population's pass@k as ``population/eval`` (its
+    ``success`` = population pass@1)."""
 
     def hook(info: RoundInfo) -> None:
-        log.log_round(info.round, {f"{n}/eval": {"success": v["success"]}
-                                   for n, v in run.evaluate(info.state, num_prompts).items()})
+        res = run.evaluate(info.state, num_prompts)
+        pop = res.pop("population", None)
+        rec = {f"{n}/eval": {k: v for k, v in m.items() if k in ("success",) or "@" in k} for n, m in res.items()}
+        if pop is not None:
+            rec["population/eval"] = {"success": pop["pass@1"], **{k: v for k, v in pop.items() if "@" in k}}
+        log.log_round(info.round, rec)
 
     return hook
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
-from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, task_reward
+from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_reward_specs, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
@@ -127,7 +127,12 @@ def _check_config_changes(out: Path, cfg: RunConfig) -> None:
 
 
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
-    specs = list(reward_specs) if reward_specs else [task_reward(run.task, timeout_s=run.cfg.reward_timeout_s)]
+    if reward_specs:
+        specs = list(reward_specs)
+    elif run.cfg.rewards:
+        specs = build_reward_specs(run.cfg.rewards, run.task, timeout_s=run.cfg.reward_timeout_s)
+    else:
+        specs = [task_reward(run.task, timeout_s=run.cfg.reward_timeout_s)]
     return RewardScorer(specs, max_consecutive_failures=run.cfg.max_reward_failures)
 
 
@@ -205,6 +210,8 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
                             for p, s in zip(run.policies, state.policies)}}
     for name, losses in run.warm_start_losses.items():
         summary["policies"][name]["warm_start"] = _sft_figures(losses)
+    if "population" in final:
+        summary["population"] = final["population"]
     if run.placement is not None:
         summary["plan"] = run.placement.to_dict()
         for name, pl in placement_summary(run.placement, state.policies).items():
@@ -246,6 +253,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
     r = start
+    # sampled evaluation of the starting (warm) state, for before/after pass@k (a resumed run has none)
+    before = run.evaluate(state, cfg.eval_prompts) if start == 0 and cfg.eval_samples else None
     try:
         with _reward_scorer(run, reward_specs) as scorer:
             trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
@@ -264,7 +273,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     finally:
         log.close()
         ckpt.close()
-    return _summary(run, state, start)
+    summary = _summary(run, state, start)
+    if before is not None:
+        summary["before"] = before
+    return summary
 
 
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
@@ -276,9 +288,10 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
     return train(load_yaml(RunConfig, config_path), out_dir, resume=resume)
 
 
-def evaluate_from_yaml(config_path, run_dir) -> dict:
+def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temperature: float | None = None) -> dict:
     """``mrl eval``: held-out success per policy from the run's latest checkpoint (``config_path``: the run's
-    YAML config or its config.json)."""
+    YAML config or its config.json); ``samples`` K > 0 adds avg@K, pass@k, maj@K and the population metrics
+    (default: the config's eval_samples)."""
     cfg = load_run_config(config_path)
     if not (Path(run_dir) / "checkpoints").is_dir():
         raise CheckpointError(f"{run_dir} holds no run (no checkpoints/ directory); pass --run the --out directory "
@@ -293,7 +306,11 @@ def evaluate_from_yaml(config_path, run_dir) -> dict:
         state = run.place(state)
     finally:
         ckpt.close()
-    return {"round": meta["round"], "eval": run.evaluate(state, cfg.eval_prompts)}
+    res = run.evaluate(state, cfg.eval_prompts, samples=samples, temperature=temperature)
+    out = {"round": meta["round"], "eval": res}
+    if "population" in res:
+        out["population"] = res.pop("population")
+    return out
 
 
 __all__ = ["ConfigError", "Run", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",

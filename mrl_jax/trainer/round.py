@@ -36,6 +36,7 @@ from mrl_jax import thl
 from mrl_jax.learner import Batch
 from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
+from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
@@ -204,13 +205,19 @@ def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guar
         ln.stamps["rollout_ready"] = time.perf_counter() - t0
 
 
+def _accuracy(score):
+    """The verifier's values of a ``ScoreResult`` (None: the rewards are the verifier's own)."""
+    return getattr(score, "accuracy", None)
+
+
 def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
     """Every policy's samples of the round into SEE (``see.add``); returns the new buffer."""
     max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
     for ln in lanes:
         lps = [ln.out.logprobs[b, :len(c)] for b, c in enumerate(ln.content)]
+        rewards = gate_success(ln.score.rewards, _accuracy(ln.score), see.tau)   # success = the verifier's
         exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
-                                      ln.score.rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
+                                      rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
                                       round=inputs.index, max_bytes=max_bytes, max_src_tokens=max_src)
         see, ln.see_info = _see_add(see, exp)
     return see
@@ -278,7 +285,9 @@ def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> di
     r = ln.score.rewards.reshape(len(inputs.prompts), ln.pol.num_generations)
     m = {k: float(np.asarray(v)) for k, v in ln.raw.items() if np.ndim(v) == 0}
     m.update({k: v for k, v in ln.score.stats.items() if np.isscalar(v)})
-    m.update({"reward/mean": float(r.mean()), "reward/success_rate": float((r >= tau).mean()),
+    acc = _accuracy(ln.score)
+    success = (r if acc is None else np.asarray(acc).reshape(r.shape)) >= tau
+    m.update({"reward/mean": float(r.mean()), "reward/success_rate": float(success.mean()),
               "completion/mean_length": float(np.asarray(ln.out.lengths).mean()),
               "completion/truncated": float(np.asarray(ln.out.truncated).mean())})
     m.update({f"see/{k}": float(np.asarray(v)) for k, v in ln.see_info.items()})
@@ -288,6 +297,8 @@ def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> di
     # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
     # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
     m["groups"] = {"prompt_ids": [p.id for p in inputs.prompts], "rewards": r.tolist(), "tau": float(tau)}
+    if acc is not None:   # success is the verifier's, not reward >= tau (rewards: config with other components)
+        m["groups"]["success"] = success.tolist()
     m.update(inputs.counts)
     return m
 
@@ -317,7 +328,8 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
                                                       ln.pol.sampling.eos_ids)
     with timer("rewards"):
         for ln in lanes:
-            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts)
+            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts,
+                                    completion_ids=ln.content)
     with timer("see"):   # ready before the phase ends: the views read it at once, and its time is the SEE's
         see = jax.block_until_ready(_add_experience(state.see, lanes, inputs))
     with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"

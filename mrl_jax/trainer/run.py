@@ -18,7 +18,8 @@ import numpy as np
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.tasks import ArithmeticTask, JsonlTask, Prompt, StringTask, Task, default_mixture
+from mrl_jax.tasks import (ArithmeticTask, DatasetError, DatasetTask, JsonlTask, Prompt, StringTask, Task,
+                           default_mixture)
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
@@ -36,6 +37,20 @@ def build_task(cfg: RunConfig) -> Task:
         return ArithmeticTask("add", 2, seed=t.seed)
     if t.name == "reverse":
         return StringTask("rev", seed=t.seed)
+    if t.name == "dataset":
+        try:
+            task = DatasetTask(t.path, format=t.format, split=t.split, prompt_field=t.prompt_field,
+                               answer_field=t.answer_field, id_field=t.id_field, eval_path=t.eval_path,
+                               eval_split=t.eval_split, eval_fraction=0.0 if (t.eval_path or t.eval_split)
+                               else t.eval_fraction, system_prompt=t.system_prompt, verifier=t.verifier, seed=t.seed)
+            task.train_prompts()   # read now: a bad file is a config error
+            return task
+        except DatasetError as e:
+            raise ConfigError(f"config key 'task': {e}") from None
+    if t.name == "reasoning_gym":
+        from mrl_jax.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
     if not Path(t.path).is_file():
         raise ConfigError(f"config key 'task.path': {t.path} is not a file (missing, or a directory); give the "
                           ".jsonl file of {prompt, answer} lines")
@@ -254,9 +269,15 @@ class Run:
                            dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
                            key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index), counts=counts)
 
-    def evaluate(self, state: RunState, num_prompts: int | None = None) -> dict:
+    def evaluate(self, state: RunState, num_prompts: int | None = None, *, samples: int | None = None,
+                 temperature: float | None = None) -> dict:
+        """Held-out evaluation (``trainer.evaluation.evaluate``); ``samples`` / ``temperature`` default to the
+        config's ``eval_samples`` / ``eval_temperature``."""
         prompts = self.eval_prompts[:num_prompts] if num_prompts else self.eval_prompts
-        return evaluate(self.policies, state.policies, self.task, prompts)
+        samples = self.cfg.eval_samples if samples is None else samples
+        temperature = self.cfg.eval_temperature if temperature is None else temperature
+        return evaluate(self.policies, state.policies, self.task, prompts, samples=samples, temperature=temperature,
+                        seed=self.cfg.seed)
 
 
 __all__ = ["Run", "build_task", "task_corpus", "text_budget"]

@@ -1,0 +1,98 @@
+"""Reasoning experiment: three heterogeneous tiny policies, per-policy and population pass@k before and after
+MRL training, under probes ``none`` and ``sgt`` over seeds, on a reasoning-gym mixture (``rg_mixture.yaml``)
+and on a small parquet file scored by math-verify (``--variant dataset``; the file is written here).
+
+    python experiments/reasoning/run.py --out /tmp/reasoning [--variant rg|dataset] [--seeds 3] [--quick]
+
+"Before" is the held-out evaluation of the warm-started policies (summary.json's ``before``, the state round 0
+starts from); "after" is the run's final evaluation. Writes results.json and results.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def write_parquet(path: Path, n: int = 400, seed: int = 0) -> Path:
+    """Two-operand arithmetic in words with LaTeX-free gold answers (math-verify reads the completion)."""
+    import datasets
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(0, 10, size=2))
+        op = ["+", "-", "*"][int(rng.integers(0, 3))]
+        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str(eval(f"{a}{op}{b}")), "op": op})
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def config(variant: str, probes: str, seed: int, out: Path, quick: bool):
+    from mrl_jax.configs import from_dict, load_yaml, to_dict
+    from mrl_jax.trainer.config import RunConfig
+
+    cfg = to_dict(load_yaml(RunConfig, HERE / "rg_mixture.yaml"))
+    cfg["seed"] = seed
+    for p in cfg["policies"]:
+        p["probes"] = probes
+    if variant == "dataset":
+        cfg["task"] = {"name": "dataset", "path": str(write_parquet(out / "arith.parquet")), "verifier": "math_verify",
+                       "eval_fraction": 0.15, "prompt_field": "prompt", "answer_field": "answer"}
+    if quick:
+        cfg.update(rounds=6, eval_prompts=16, eval_samples=4)
+    return from_dict(RunConfig, cfg)
+
+
+def pick(ev: dict) -> dict:
+    return {k: v for k, v in ev.items() if k == "success" or "@" in k}
+
+
+def one(variant: str, probes: str, seed: int, out: Path, quick: bool) -> dict:
+    from mrl_jax.trainer import train
+
+    run_dir = out / f"{variant}_{probes}_s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = config(variant, probes, seed, out, quick)
+    summary = train(cfg, run_dir, progress=False)
+    before = summary["before"]
+    after = {n: p["eval"] for n, p in summary["policies"].items()}
+    return {"variant": variant, "probes": probes, "seed": seed,
+            "before": {n: pick(v) for n, v in before.items() if n != "population"}
+            | {"population": before["population"]},
+            "after": {n: pick(v) for n, v in after.items()} | {"population": summary["population"]}}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| variant | probes | seed | who | pass@1 before | pass@1 after | pass@K before | pass@K after |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        K = max(int(k.split("@")[1]) for k in r["after"]["population"] if k.startswith("pass@"))
+        for who in r["after"]:
+            b, a = r["before"][who], r["after"][who]
+            lines.append(f"| {r['variant']} | {r['probes']} | {r['seed']} | {who} | {b['pass@1']:.3f} | "
+                         f"{a['pass@1']:.3f} | {b[f'pass@{K}']:.3f} | {a[f'pass@{K}']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variant", choices=["rg", "dataset"], default="rg")
+    ap.add_argument("--probes", default="none,sgt")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="6 rounds, 16 eval prompts, K = 4 (a smoke run)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [one(args.variant, p, s, args.out, args.quick)
+               for p in args.probes.split(",") for s in range(args.seeds)]
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "results.md").write_text(table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

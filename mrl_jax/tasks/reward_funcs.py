@@ -1,0 +1,198 @@
+"""Reward functions named in a run config (``rewards:``), with TRL's signature, and the built-ins.
+
+A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process}`` or
+``{builtin: accuracy | format | overlong, weight, name, ...options}``. A user function has TRL's signature::
+
+    fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
+
+where ``columns`` are the dataset's other columns (one list per column), as TRL passes them. Each call gets
+one completion (lists of length 1), so the scorer's isolation, per-call time limit and failure counting
+(:mod:`mrl_jax.tasks.rewards`) apply to every item. ``None`` means "not applicable": that component leaves
+the row's weighted sum (TRL's ``nansum``) and its mean/std.
+
+Built-ins: ``accuracy`` -- the task's verifier (its value is also the run's *success*, see
+:func:`mrl_jax.tasks.rewards.gate_success`); ``format`` -- 1.0 when the completion matches ``pattern``
+(``re.fullmatch``, DOTALL; default the think/answer layout of TRL's ``think_format_reward``); ``overlong``
+-- DAPO's soft over-length penalty over ``max_length`` tokens with a ``cache`` window: 0 up to
+``max_length - cache`` tokens, then linear down to -1 at ``max_length``, -1 beyond.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+from .base import Prompt, Task
+from .rewards import RewardSpec
+
+__all__ = ["Completion", "FormatReward", "OverlongReward", "TRLReward", "build_reward_specs", "resolve_function"]
+
+BUILTINS = ("accuracy", "format", "overlong")
+THINK_FORMAT = r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>"
+
+
+class Completion(str):
+    """A completion text that also carries its token ids (``.ids``), as the scorer hands it to rewards."""
+
+    def __new__(cls, text: str, ids: Sequence[int] | None = None):
+        out = super().__new__(cls, text)
+        out.ids = None if ids is None else [int(t) for t in ids]
+        return out
+
+    def __reduce__(self):
+        return (Completion, (str(self), self.ids))
+
+
+def resolve_function(path: str, key: str = "rewards") -> Callable:
+    """The callable at ``"package.module:name"``; ValueError (one line, naming ``key``) when it does not resolve."""
+    mod_name, sep, attr = str(path).partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"config key '{key}': {path!r} is not 'package.module:function'")
+    try:
+        obj = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 -- ImportError and whatever the module raises on import
+        raise ValueError(f"config key '{key}': cannot import {mod_name!r} ({type(e).__name__}: {e}); put it on "
+                         "PYTHONPATH or install it") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"config key '{key}': module {mod_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"config key '{key}': {path!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _columns(prompt: Prompt) -> dict:
+    cols = (prompt.meta or {}).get("columns") or {}
+    out = {"answer": prompt.answer} if not cols else {}
+    out.update(cols)
+    return out
+
+
+class TRLReward:
+    """``(prompt, completion) -> float | None`` calling a TRL-signature function on one item. Picklable by its
+    import path, so it runs in worker processes too."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fn = resolve_function(path)
+
+    def __call__(self, prompt: Prompt, completion: str) -> Any:
+        ids = getattr(completion, "ids", None)
+        kwargs = {k: [v] for k, v in _columns(prompt).items()}
+        out = self.fn(prompts=[prompt.text], completions=[str(completion)],
+                      completion_ids=[ids if ids is not None else []], **kwargs)
+        if not isinstance(out, (list, tuple)) or len(out) != 1:
+            raise TypeError(f"{self.path} must return a list with one value per completion, got {str(out)[:60]}")
+        return out[0]
+
+    def __reduce__(self):
+        return (TRLReward, (self.path,))
+
+
+class FormatReward:
+    """1.0 when the completion matches ``pattern`` entirely (``re.DOTALL``), else 0.0."""
+
+    def __init__(self, pattern: str = THINK_FORMAT):
+        self.pattern = pattern
+        self._re = re.compile(pattern, re.DOTALL)
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        return 1.0 if self._re.fullmatch(str(completion).strip()) else 0.0
+
+    def __reduce__(self):
+        return (FormatReward, (self.pattern,))
+
+
+class OverlongReward:
+    """DAPO's soft over-length penalty in [-1, 0] on the completion's token count (``Completion.ids``)."""
+
+    def __init__(self, max_length: int, cache: int):
+        if not 0 <= cache < max_length:
+            raise ValueError(f"overlong: need 0 <= cache < max_length, got cache={cache}, max_length={max_length}")
+        self.max_length, self.cache = int(max_length), int(cache)
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        ids = getattr(completion, "ids", None)
+        if ids is None:
+            raise TypeError("overlong needs the completion's token ids (score with completion_ids=...)")
+        n, start = len(ids), self.max_length - self.cache
+        if n <= start:
+            return 0.0
+        return -1.0 if n > self.max_length else (start - n) / max(self.cache, 1)
+
+    def __reduce__(self):
+        return (OverlongReward, (self.max_length, self.cache))
+
+
+def _no_task(prompt: Prompt, completion: str) -> float:
+    raise RuntimeError("reward specs built without a task (config check) cannot score")
+
+
+def _builtin(entry: Mapping, task: Task | None, key: str) -> tuple[Callable, str, tuple[float, float], bool]:
+    """``(fn, isolation, (low, high), success)`` of a built-in entry."""
+    kind, opts = entry["builtin"], {k: v for k, v in entry.items() if k not in ("builtin", "weight", "name")}
+    allowed = {"accuracy": set(), "format": {"pattern"}, "overlong": {"max_length", "cache"}}
+    if kind not in allowed:
+        raise ValueError(f"config key '{key}.builtin': {kind!r} is not one of {list(BUILTINS)}")
+    extra = sorted(set(opts) - allowed[kind])
+    if extra:
+        raise ValueError(f"config key '{key}': builtin {kind!r} takes no {extra} (options: {sorted(allowed[kind])})")
+    if kind == "accuracy":
+        if task is None:   # checking a config before the task exists
+            return _no_task, "thread", (0.0, 1.0), True
+        return (getattr(task, "reward_fn", task.verify), getattr(task, "reward_isolation", "thread"),
+                (0.0, 1.0), True)
+    if kind == "format":
+        try:
+            return FormatReward(opts.get("pattern", THINK_FORMAT)), "thread", (0.0, 1.0), False
+        except re.error as e:
+            raise ValueError(f"config key '{key}.pattern': bad regex ({e})") from None
+    if "max_length" not in opts:
+        raise ValueError(f"config key '{key}.max_length': builtin overlong needs max_length (tokens)")
+    try:
+        fn = OverlongReward(int(opts["max_length"]), int(opts.get("cache", int(opts["max_length"]) // 4)))
+    except ValueError as e:
+        raise ValueError(f"config key '{key}': {e}") from None
+    return fn, "thread", (-1.0, 0.0), False
+
+
+def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout_s: float) -> list[RewardSpec]:
+    """The :class:`RewardSpec` list of a config's ``rewards:``. When no ``accuracy`` entry is given, the
+    verifier still runs with weight 0: it defines success. ``task`` None checks the entries only (ValueError
+    naming ``rewards[i]``); the accuracy placeholder then cannot score."""
+    specs: list[RewardSpec] = []
+    for i, entry in enumerate(entries):
+        key = f"rewards[{i}]"
+        if not isinstance(entry, Mapping) or ("function" in entry) == ("builtin" in entry):
+            raise ValueError(f"config key '{key}': give exactly one of 'function: pkg.mod:name' or 'builtin: "
+                             f"{' | '.join(BUILTINS)}'")
+        weight = float(entry.get("weight", 1.0))
+        if "function" in entry:
+            extra = sorted(set(entry) - {"function", "weight", "name", "isolation"})
+            if extra:
+                raise ValueError(f"config key '{key}': unknown options {extra} (function, weight, name, isolation)")
+            isolation = entry.get("isolation", "thread")
+            if isolation not in ("thread", "process"):
+                raise ValueError(f"config key '{key}.isolation': {isolation!r} is not 'thread' or 'process'")
+            try:
+                fn = TRLReward(entry["function"])
+            except ValueError as e:
+                raise ValueError(str(e).replace("'rewards'", f"'{key}.function'")) from None
+            name = entry.get("name") or entry["function"].rpartition(":")[2].rpartition(".")[2]
+            specs.append(RewardSpec(fn, weight=weight, name=name, timeout_s=timeout_s, isolation=isolation,
+                                    low=-math.inf, high=math.inf, allow_none=True))
+            continue
+        fn, isolation, (low, high), success = _builtin(entry, task, key)
+        specs.append(RewardSpec(fn, weight=weight, name=entry.get("name") or entry["builtin"], timeout_s=timeout_s,
+                                isolation=isolation, low=low, high=high, success=success))
+    if not any(s.success for s in specs):
+        fn, isolation, _, _ = _builtin({"builtin": "accuracy"}, task, "rewards")
+        specs.append(RewardSpec(fn, weight=0.0, name="accuracy", timeout_s=timeout_s, isolation=isolation,
+                                success=True))
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"config key 'rewards': names {dup} repeat; give each entry a distinct name")
+    return specs
