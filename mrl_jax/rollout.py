@@ -28,9 +28,11 @@ How it works (all on device, no host sync inside the loop):
   ``model.decode_step`` on ``[B, 1]`` per generated token, then samples.
   With an ``eos_id`` the loops are ``lax.while_loop``s that stop as soon as every row has emitted EOS
   (``stop_early=True``); otherwise fixed-trip ``lax.fori_loop``s.
-* randomness: the caller passes a fresh key per call; the uniforms of every step are drawn from it at once
-  (``uniform(key, [N, 2, B, 1])``, step ``i`` reads row ``i``), so no number is used twice within a call and the
-  decode step holds no PRNG work.
+* randomness: the caller passes a fresh key per call. Row b = p * G + g (prompt p, sample g) has its own stream
+  ``fold_in(key, b)`` (:func:`row_uniforms`), and its uniforms of every step are drawn from it at
+  once, before the loop (the decode step holds no PRNG work). A row's noise is a function of (key, p, g)
+  only, never of the batch size or of the row's device: appending padding prompts, or sharding the rows
+  over any number of devices, leaves the real rows' samples unchanged.
 
 Behaviour log-probs (``Rollout.logprobs``, ``SamplingConfig.logprobs_of``) and the sampling rules: see
 :mod:`mrl_jax.sampling`. Outputs after a row's EOS are ``pad_id`` tokens with ``mask=False`` and ``logprobs=0``;
@@ -60,6 +62,7 @@ __all__ = [
     "nucleus_mask",
     "trace_count",
     "gen_buckets",
+    "row_uniforms",
     "DEFAULT_BUCKETS",
 ]
 
@@ -161,6 +164,13 @@ def gen_buckets(max_new_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     return tuple(out) + ((need,) if need > 0 else ())
 
 
+def row_uniforms(key: jax.Array, rows: int, steps: int) -> jax.Array:
+    """f32[B, N, 2]: the sampling uniforms of row b at each of its N steps, drawn from the row's own key
+    ``fold_in(key, b)``: a row's numbers depend neither on the number of rows nor on where the row runs."""
+    return jax.vmap(lambda b: jax.random.uniform(jax.random.fold_in(key, b), (steps, 2), jnp.float32))(
+        jnp.arange(rows, dtype=jnp.int32))
+
+
 def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):
     """Write step i's token (pad after a row stopped) into the [B, N] outputs; update ``done``."""
     live = ~done
@@ -215,7 +225,8 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
       graphdef, params: ``nnx.split(model)`` (graphdef is static: one compile per architecture).
       prompt_ids: int32[P, Tp], left-padded. Every row needs >= 1 real token (its last column).
       prompt_mask: bool[P, Tp], True on real tokens.
-      key: a PRNG key, fresh for every call (every step's uniforms are drawn from it at once).
+      key: a PRNG key, fresh for every call; row b samples from ``fold_in(key, b)`` (:func:`row_uniforms`), so
+        prompts appended after the P prompts (padding) do not change the first P * G rows' samples.
       config: :class:`SamplingConfig` (static).
       num_samples: G (static). Each prompt is prefilled ONCE and its cache shared by its G samples;
         the rows are prompt-major (row p * G + g), the same rows (and, with the same key, the same
@@ -254,9 +265,9 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
     tokens = jnp.full((b, n), pad, jnp.int32)
     logps = jnp.zeros((b, n), jnp.float32)
     out_mask = jnp.zeros((b, n), bool)
-    # every step's uniforms in one draw: a per-step key derivation would put a small PRNG program (on CPU a
-    # rolled loop of tiny ops) in every decode step
-    uniforms = None if config.is_greedy else jax.random.uniform(key, (n, 2, b, 1), jnp.float32)
+    # every step's uniforms drawn before the loop ([N, 2, B, 1], step i reads [i]): a per-step key derivation
+    # would put a small PRNG program (on CPU a rolled loop of tiny ops) in every decode step
+    uniforms = None if config.is_greedy else row_uniforms(key, b, n).transpose(1, 2, 0)[..., None]
     tok, lp = sample_with_uniforms(logits, None if uniforms is None else uniforms[0], config)
     carry = _record(0, tok, lp, jnp.zeros((b,), bool), tokens, logps, out_mask, pad, eos)
     if n > 1:
