@@ -5,6 +5,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR 8
 
 Writes one JSON object, the facts the test asserts on (tests/worker_result.py).
 """
@@ -141,6 +142,33 @@ def main(root: Path) -> dict:
     return res
 
 
+def jsonl_rows(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def invariance(root: Path, prompts: str) -> dict:
+    """The same 2-round config with ``prompts`` prompts per round on every device (costs 1:3) and on one
+    device: per-row rewards of round 0 (every sample), round-0 metrics and final params."""
+    over = {**COSTS, "rounds": 2, "prompts_per_round": int(prompts)}
+    one = soak.tiny_config(**over)
+    one["mwra"] = {**MWRA, "devices": 1}
+    train(cfg_of(**over), root / "many", progress=False)
+    train(soak.to_run_config(one), root / "one", progress=False)
+    plans = [[p["device_ids"] for p in json.loads((root / d / "plan.json").read_text())["policies"]]
+             for d in ("many", "one")]
+    groups = [{r["policy"]: r["rewards"] for r in jsonl_rows(root / d / "groups.jsonl") if r["round"] == 0}
+              for d in ("many", "one")]
+    metrics = [{r["policy"]: r for r in metrics_rows(root / d) if r.get("round") == 0} for d in ("many", "one")]
+    diffs = {f"{n}/{k}": abs(float(metrics[0][n][k]) - float(metrics[1][n][k]))
+             for n in metrics[0] for k in ("loss", "kl", "reward/mean", "completion/mean_length") if k in metrics[0][n]}
+    pa, pb = final_params(root / "many"), final_params(root / "one")
+    return {"num_devices": len(jax.devices()), "plans": plans, "groups_equal": groups[0] == groups[1],
+            "group_rows": sum(len(r) * len(r[0]) for r in groups[0].values()), "round0_metric_diffs": diffs,
+            "samples_equal": [s for s in jsonl_rows(root / "many" / "samples.jsonl") if s["round"] == 0]
+            == [s for s in jsonl_rows(root / "one" / "samples.jsonl") if s["round"] == 0],
+            "final_param_max_diff": max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb))}
+
+
 def by_path(tree) -> dict:
     """``{path: numpy array}`` with nnx's ``value`` components dropped (the saved tree spells them out)."""
     return {"/".join(c for c in mwra.path_str(p).split("/") if c != "value"): np.asarray(x)
@@ -206,5 +234,6 @@ def mpref(root: Path) -> dict:
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref}[mode](root)
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref,
+              "invariance": lambda r: invariance(r, sys.argv[3])}[mode](root)
     worker_result.write(result)

@@ -223,6 +223,7 @@ def test_sampling_logprobs_with_top_k(llama):
     want = np.take_along_axis(filt, tok[..., None], -1)[..., 0] - lse
     assert np.isfinite(want).all(), "a sampled token fell outside the top-k"
     np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(out.sampling_logprobs), np.asarray(out.logprobs))   # second output
 
 
 def test_eos_stops_and_masks(llama):

@@ -206,8 +206,9 @@ def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guar
 def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
     """Every policy's samples of the round into SEE (``see.add``); returns the new buffer."""
     max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
-    for ln in lanes:
-        lps = [ln.out.logprobs[b, :len(c)] for b, c in enumerate(ln.content)]
+    for ln in lanes:   # the behaviour density a peer's importance weight needs: the filtered one if filtering
+        lp = ln.out.sampling_logprobs if ln.pol.sampling.filters else ln.out.logprobs
+        lps = [lp[b, :len(c)] for b, c in enumerate(ln.content)]
         exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
                                       ln.score.rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
                                       round=inputs.index, max_bytes=max_bytes, max_src_tokens=max_src)
