@@ -102,10 +102,10 @@ def test_config_rules_and_padding():
 
 
 # ------------------------------------------------------------------ forced devices (subprocesses)
-def _worker(mode: str, root: Path, devices: int) -> dict:
+def _worker(mode: str, root: Path, devices: int, *args: str) -> dict:
     result = root / f"{mode}.result.json"
     env = worker_result.env_for(dict(soak.forced_devices_env(devices), **soak.compile_cache_env()), result)
-    proc = subprocess.run([sys.executable, str(WORKER), mode, str(root)], env=env, cwd=str(REPO),
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(root), *args], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return worker_result.read(result, proc.stdout)
@@ -153,6 +153,21 @@ def test_8_devices_equal_1_device(eight):
     assert r["round0_rows"] == 2 and len(r["round0_metric_diffs"]) == 6
     assert max(r["round0_metric_diffs"].values()) <= 1e-5, r["round0_metric_diffs"]
     assert r["final_param_leaves"] > 0 and r["final_param_max_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("devices,prompts", [(6, 8), (4, 5)])
+def test_samples_do_not_depend_on_the_device_count(tmp_path, devices, prompts):
+    """P prompts that divide neither policy's data axis (padded rows on the mesh): every round-0 sample of
+    both policies (their per-row rewards) equals the 1-device run's, the metrics agree and the final params
+    stay within 1e-4 (the sharded update's reduction order)."""
+    r = _worker("invariance", tmp_path, devices, str(prompts))
+    many, one = r["plans"]
+    assert one == [[0], [0]] and sum(len(d) for d in many) == devices
+    assert any(prompts % len(d) for d in many), many   # some policy's rows are padded on its mesh
+    assert r["group_rows"] == 2 * prompts * 4 and r["groups_equal"] and r["samples_equal"]
+    assert r["round0_metric_diffs"]["gpt2_uni/reward/mean"] == 0.0
+    assert max(r["round0_metric_diffs"].values()) <= 1e-5, r["round0_metric_diffs"]
+    assert r["final_param_max_diff"] <= 1e-4
 
 
 def test_restore_8_device_checkpoint_on_4_devices(eight):
