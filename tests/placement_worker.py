@@ -5,7 +5,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
-    XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR 8
+    XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR
 
 Writes one JSON object, the facts the test asserts on (tests/worker_result.py).
 """
@@ -146,27 +146,38 @@ def jsonl_rows(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def invariance(root: Path, prompts: str) -> dict:
-    """The same 2-round config with ``prompts`` prompts per round on every device (costs 1:3) and on one
-    device: per-row rewards of round 0 (every sample), round-0 metrics and final params."""
-    over = {**COSTS, "rounds": 2, "prompts_per_round": int(prompts)}
+def invariance_case(root: Path, devices: int, prompts: int) -> dict:
+    """The same 2-round config, ``prompts`` prompts per round, on ``devices`` devices (half each policy) and on
+    one device: per-row rewards of round 0 (every sample), logged samples, round-0 metrics, final params."""
+    over = {"rounds": 2, "prompts_per_round": prompts}
+    many = soak.tiny_config(**over, **{"policies.0.devices": devices // 2, "policies.1.devices": devices // 2})
+    many["mwra"] = {**MWRA, "devices": devices}
     one = soak.tiny_config(**over)
     one["mwra"] = {**MWRA, "devices": 1}
-    train(cfg_of(**over), root / "many", progress=False)
-    train(soak.to_run_config(one), root / "one", progress=False)
-    plans = [[p["device_ids"] for p in json.loads((root / d / "plan.json").read_text())["policies"]]
-             for d in ("many", "one")]
-    groups = [{r["policy"]: r["rewards"] for r in jsonl_rows(root / d / "groups.jsonl") if r["round"] == 0}
-              for d in ("many", "one")]
-    metrics = [{r["policy"]: r for r in metrics_rows(root / d) if r.get("round") == 0} for d in ("many", "one")]
-    diffs = {f"{n}/{k}": abs(float(metrics[0][n][k]) - float(metrics[1][n][k]))
-             for n in metrics[0] for k in ("loss", "kl", "reward/mean", "completion/mean_length") if k in metrics[0][n]}
-    pa, pb = final_params(root / "many"), final_params(root / "one")
-    return {"num_devices": len(jax.devices()), "plans": plans, "groups_equal": groups[0] == groups[1],
-            "group_rows": sum(len(r) * len(r[0]) for r in groups[0].values()), "round0_metric_diffs": diffs,
-            "samples_equal": [s for s in jsonl_rows(root / "many" / "samples.jsonl") if s["round"] == 0]
-            == [s for s in jsonl_rows(root / "one" / "samples.jsonl") if s["round"] == 0],
+    runs = {"many": root / f"many{devices}", "one": root / f"one{devices}"}
+    for name, d in (("many", many), ("one", one)):
+        train(soak.to_run_config(d), runs[name], progress=False)
+    plans = {k: [p["device_ids"] for p in json.loads((d / "plan.json").read_text())["policies"]]
+             for k, d in runs.items()}
+    groups = {k: {r["policy"]: r["rewards"] for r in jsonl_rows(d / "groups.jsonl") if r["round"] == 0}
+              for k, d in runs.items()}
+    samples = {k: [s for s in jsonl_rows(d / "samples.jsonl") if s["round"] == 0] for k, d in runs.items()}
+    metrics = {k: {r["policy"]: r for r in metrics_rows(d) if r.get("round") == 0} for k, d in runs.items()}
+    diffs = {f"{n}/{k}": abs(float(metrics["many"][n][k]) - float(metrics["one"][n][k]))
+             for n in metrics["one"] for k in ("loss", "kl", "reward/mean", "completion/mean_length")
+             if k in metrics["one"][n]}
+    pa, pb = final_params(runs["many"]), final_params(runs["one"])
+    return {"plans": plans, "groups_equal": groups["many"] == groups["one"],
+            "group_rows": sum(len(r) * len(r[0]) for r in groups["one"].values()), "round0_metric_diffs": diffs,
+            "samples_equal": samples["many"] == samples["one"],
             "final_param_max_diff": max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb))}
+
+
+def invariance(root: Path) -> dict:
+    """8 prompts on 6 devices (3 + 3) and 5 prompts on 4 (2 + 2), each against one device: no policy's data
+    axis divides P, so every mesh pads its prompt rows."""
+    return {"num_devices": len(jax.devices()), "cases": {f"{d}x{p}": invariance_case(root, d, p)
+                                                         for d, p in ((6, 8), (4, 5))}}
 
 
 def by_path(tree) -> dict:
@@ -235,5 +246,5 @@ def mpref(root: Path) -> dict:
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
     result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref,
-              "invariance": lambda r: invariance(r, sys.argv[3])}[mode](root)
+              "invariance": invariance}[mode](root)
     worker_result.write(result)
