@@ -45,8 +45,12 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     """Prefill once, copy each prompt's cache to its G rows (joint layout), sample token 0. Returns (cache,
     tok int32[B], logprobs f32[2, B], prompt_len int32[B], uniforms f32[B, N, 2] or None)."""
     model = nnx.merge(graphdef, params)
-    p, _ = prompt_ids.shape
+    p, tp = prompt_ids.shape
     g, n = num_samples, config.max_new_tokens
+    mcfg = getattr(model, "config", None)
+    if getattr(mcfg, "family", None) == "gpt2" and tp + n > mcfg.max_position_embeddings:
+        raise ValueError(f"generate_live: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
+                         f"{mcfg.max_position_embeddings} learned positions")
     pmask = prompt_mask.astype(bool)
     positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
     buckets = gen_buckets(n, config.cache_bucket)
