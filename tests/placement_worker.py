@@ -42,7 +42,8 @@ from mrl_jax.trainer.loop import Run, train  # noqa: E402
 from mrl_jax.trainer.round import run_round  # noqa: E402
 
 COSTS = {"policies.0.cost": 1.0, "policies.1.cost": 3.0}
-MWRA = {"min_size": 0}   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
+MWRA = {"min_size": 0}
+SIGNAL = {"faulty": {"seed": 0, "p": {}}}   # soak.digit_reward: a learning signal even for random tiny models   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
 
 
 def cfg_of(**overrides):
@@ -155,8 +156,8 @@ def invariance_case(root: Path, devices: int, prompts: int) -> dict:
     one = soak.tiny_config(**over)
     one["mwra"] = {**MWRA, "devices": 1}
     runs = {"many": root / f"many{devices}", "one": root / f"one{devices}"}
-    for name, d in (("many", many), ("one", one)):
-        train(soak.to_run_config(d), runs[name], progress=False)
+    for name, d in (("many", many), ("one", one)):   # digit reward: non-zero advantages, so the params move
+        train(soak.to_run_config(d), runs[name], reward_specs=soak.reward_specs(SIGNAL), progress=False)
     plans = {k: [p["device_ids"] for p in json.loads((d / "plan.json").read_text())["policies"]]
              for k, d in runs.items()}
     groups = {k: {r["policy"]: r["rewards"] for r in jsonl_rows(d / "groups.jsonl") if r["round"] == 0}
@@ -164,10 +165,12 @@ def invariance_case(root: Path, devices: int, prompts: int) -> dict:
     samples = {k: [s for s in jsonl_rows(d / "samples.jsonl") if s["round"] == 0] for k, d in runs.items()}
     metrics = {k: {r["policy"]: r for r in metrics_rows(d) if r.get("round") == 0} for k, d in runs.items()}
     diffs = {f"{n}/{k}": abs(float(metrics["many"][n][k]) - float(metrics["one"][n][k]))
-             for n in metrics["one"] for k in ("loss", "kl", "reward/mean", "completion/mean_length")
+             for n in metrics["one"] for k in ("loss", "kl", "grad_norm", "reward/mean", "completion/mean_length")
              if k in metrics["one"][n]}
     pa, pb = final_params(runs["many"]), final_params(runs["one"])
     return {"plans": plans, "groups_equal": groups["many"] == groups["one"],
+            "reward_sum": float(sum(np.sum(r) for r in groups["one"].values())),
+            "grad_norms": [float(m.get("grad_norm", 0.0)) for m in metrics["one"].values()],
             "group_rows": sum(len(r) * len(r[0]) for r in groups["one"].values()), "round0_metric_diffs": diffs,
             "samples_equal": samples["many"] == samples["one"],
             "final_param_max_diff": max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb))}

@@ -166,6 +166,7 @@ def test_samples_do_not_depend_on_the_device_count(tmp_path):
         assert c["plans"]["one"] == [[0], [0]] and all(prompts % len(d) for d in c["plans"]["many"]), c["plans"]
         assert c["group_rows"] == 2 * prompts * 4 and c["groups_equal"] and c["samples_equal"], case
         assert max(c["round0_metric_diffs"].values()) <= 1e-5, (case, c["round0_metric_diffs"])
+        assert c["reward_sum"] > 0 and min(c["grad_norms"]) > 0   # the samples and the updates carry signal
         assert c["final_param_max_diff"] <= 1e-4, (case, c["final_param_max_diff"])
 
 
