@@ -7,8 +7,15 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 ``repeats`` interleaved timed calls after a warm-up / compile call) and the ratio ours / transformers.
 
     python benchmarks/bench_rollout.py [--quick] [--out FILE]
+    python benchmarks/bench_rollout.py --lengths longtail [--quick] [--out FILE]
 
 ``run(quick) -> dict`` is what ``mrl bench`` calls.
+
+``--lengths longtail``: completion lengths roughly geometric with mean ~ max_new_tokens / 8 (the tiny model's
+logits are near uniform, and a stop set of V * 8 / N token ids gives each step a ~8 / N chance to end the
+row). Compares the static sampler (``generate``: every row decodes until the longest ends), the live-row
+sampler (``mrl_jax.rollout_live.generate_live``) and ``transformers.generate`` with the same stop set:
+decode row-steps computed per kept token (load-independent), tokens identical (static vs live), wall times.
 """
 from __future__ import annotations
 
@@ -34,6 +41,12 @@ CASES = {
                     kv_heads=2, vocab=512, repeats=3),
     "quick_g8": dict(batch=64, samples=8, prompt_len=32, new_tokens=32, hidden=64, layers=2, heads=4,
                      kv_heads=2, vocab=512, repeats=2),
+}
+LONGTAIL = {
+    True: dict(batch=64, samples=8, prompt_len=16, new_tokens=128, hidden=64, layers=2, heads=4, kv_heads=2,
+               vocab=512, repeats=2, segment=8),
+    False: dict(batch=128, samples=8, prompt_len=32, new_tokens=512, hidden=96, layers=2, heads=4, kv_heads=2,
+                vocab=512, repeats=3, segment=8),
 }
 PLAN = {
     True: [("llama", "quick"), ("llama", "quick_g8")],
@@ -195,6 +208,72 @@ def bench_family(family: str, s: dict) -> dict:
     }
 
 
+def _timed(fns: dict, repeats: int) -> dict:
+    """Min wall seconds of each of ``fns`` over ``repeats`` interleaved calls (after one warm-up call each)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(_once(fn))
+    return {k: min(v) for k, v in times.items()}
+
+
+def bench_longtail(s: dict) -> dict:
+    """Static vs live-row sampler vs transformers on long-tailed completion lengths (module docstring)."""
+    import jax
+    import torch
+    from flax import nnx
+
+    from mrl_jax import models
+    from mrl_jax.bench_env import section
+    from mrl_jax.rollout import SamplingConfig, generate
+    from mrl_jax.rollout_live import generate_live
+
+    hf = _hf_model("llama", s)
+    ids, mask = _prompts(s, s["vocab"])
+    b, n, g = s["batch"], s["new_tokens"], s["samples"]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        graphdef, params = nnx.split(models.from_pretrained(tmp))
+    stops = tuple(range(3, 3 + max(1, s["vocab"] * 8 // n)))
+    cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, eos_id=stops, pad_id=0)
+    jids, jmask, key = jax.numpy.asarray(ids), jax.numpy.asarray(mask), jax.random.key(0)   # same work each call
+    static = jax.device_get(generate(graphdef, params, jids, jmask, key, cfg, num_samples=g))
+    live, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g, segment=s["segment"])
+    lengths = np.asarray(static.lengths)
+    kept = int(lengths.sum())
+    tids, tmask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def hf_fn():
+        with torch.inference_mode():
+            return hf.generate(input_ids=tids, attention_mask=tmask, do_sample=True, max_new_tokens=n, top_k=0,
+                               temperature=1.0, pad_token_id=0, eos_token_id=list(stops), num_return_sequences=g)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with section("longtail") as load:
+        t = _timed({"static": lambda: jax.block_until_ready(generate(graphdef, params, jids, jmask, key, cfg,
+                                                                      num_samples=g)),
+                    "live": lambda: generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g,
+                                                  segment=s["segment"]),
+                    "hf": hf_fn}, s["repeats"])
+    return {
+        "rows": b, "max_new_tokens": n, "stop_ids": len(stops), "segment": s["segment"],
+        "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
+        "median_length": float(np.median(lengths)), "truncated": float(np.asarray(static.truncated).mean()),
+        "tokens_identical": bool(np.array_equal(live.tokens, np.asarray(static.tokens))),
+        "row_steps_per_kept_token": {"static": b * int(lengths.max()) / kept, "live": stats["row_steps"] / kept},
+        "live_segments": stats["segments"], "live_batch_sizes": stats["batch_sizes"],
+        "seconds": t, "live_speedup_vs_static": t["static"] / t["live"], "live_speedup_vs_hf": t["hf"] / t["live"],
+        "load": load, "contended": load["contended"],
+    }
+
+
+def run_longtail(quick: bool = False) -> dict:
+    return {"benchmark": "rollout_longtail", "quick": quick, "results": bench_longtail(LONGTAIL[bool(quick)])}
+
+
 def run(quick: bool = False) -> dict:
     import jax
     import torch
@@ -223,9 +302,14 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
+    import argparse
+
     from mrl_jax.bench import script_main
 
-    return script_main(run, __doc__.splitlines()[0], argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed")
+    known, rest = ap.parse_known_args(argv)
+    return script_main(run_longtail if known.lengths == "longtail" else run, __doc__.splitlines()[0], rest)
 
 
 if __name__ == "__main__":

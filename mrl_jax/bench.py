@@ -3,6 +3,11 @@
 Each ``benchmarks/bench_<name>.py`` exposes ``run(quick: bool) -> dict``; the harness runs every one (or
 ``only``), keeps going when one fails (its error is recorded), and returns ``{"benchmarks": {name: figures}}``
 plus the machine and library versions. The scripts live in the source checkout, not in the wheel.
+
+``--quick`` is a quick look (a few minutes on 2 cores): the :data:`QUICK_LOOK` benchmarks with their quick
+settings, one figure each for the sampler, the update, THL and the TRL comparison; the multi-policy and
+multi-device ones (placement, MWRA, scaling) compile several policies or device counts and run with the full
+``mrl bench`` only (or when named in ``only``). Their entries say so.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import traceback
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+QUICK_LOOK = ("rollout", "thl", "trl", "update")
 
 
 def available() -> list[str]:
@@ -115,9 +121,12 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     results: dict[str, dict] = {}
     from mrl_jax.progress import Progress
 
+    chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else names)
+    for name in sorted(set(names) - set(chosen)) if quick and not only else ():
+        results[name] = {"skipped": "full run only: `mrl bench` without --quick, or --only " + name}
     # no background refresh of the live line while benchmarks time things: it updates between benchmarks only
-    bar = Progress(len(only or names), title="bench", unit="benchmark", auto_refresh=False)
-    for name in only or names:
+    bar = Progress(len(chosen), title="bench", unit="benchmark", auto_refresh=False)
+    for name in chosen:
         t0 = time.perf_counter()
         bar.start(name)
         try:

@@ -1,11 +1,11 @@
-"""Jitted KV-cache sampler: prefill + ``lax`` decode loop, temperature / top-k / top-p, per-sequence EOS.
+"""Jitted KV-cache sampler: prefill + ``lax`` decode loop, temperature / top-k / top-p / min-p, per-sequence EOS.
 
 The one entry point is :func:`generate`::
 
     graphdef, params = nnx.split(model)
     cfg = SamplingConfig(max_new_tokens=256, temperature=1.0, top_p=0.95, eos_id=tok.eos_id, pad_id=tok.pad_id)
     ids, mask = left_pad(tok.encode_batch(prompts), pad_id=tok.pad_id, buckets=(64, 128, 256))
-    out = generate(graphdef, params, ids, mask, key, cfg)   # Rollout(tokens, logprobs, mask, lengths, truncated)
+    out = generate(graphdef, params, ids, mask, key, cfg)   # Rollout(tokens, logprobs, sampling_logprobs, mask, ...)
     out = generate(graphdef, params, ids, mask, key, cfg, num_samples=G)   # [P * G, N], prompt-major
 
 How it works (all on device, no host sync inside the loop):
@@ -28,9 +28,11 @@ How it works (all on device, no host sync inside the loop):
   ``model.decode_step`` on ``[B, 1]`` per generated token, then samples.
   With an ``eos_id`` the loops are ``lax.while_loop``s that stop as soon as every row has emitted EOS
   (``stop_early=True``); otherwise fixed-trip ``lax.fori_loop``s.
-* randomness: the caller passes a fresh key per call; the uniforms of every step are drawn from it at once
-  (``uniform(key, [N, 2, B, 1])``, step ``i`` reads row ``i``), so no number is used twice within a call and the
-  decode step holds no PRNG work.
+* randomness: the caller passes a fresh key per call. Row b = p * G + g (prompt p, sample g) has its own stream
+  ``fold_in(key, b)`` (:func:`row_uniforms`), and its uniforms of every step are drawn from it at
+  once, before the loop (the decode step holds no PRNG work). A row's noise is a function of (key, p, g)
+  only, never of the batch size or of the row's device: appending padding prompts, or sharding the rows
+  over any number of devices, leaves the real rows' samples unchanged.
 
 Behaviour log-probs (``Rollout.logprobs``, ``SamplingConfig.logprobs_of``) and the sampling rules: see
 :mod:`mrl_jax.sampling`. Outputs after a row's EOS are ``pad_id`` tokens with ``mask=False`` and ``logprobs=0``;
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from mrl_jax.sampling import SamplingConfig, categorical, nucleus_mask, sample_step, sample_with_uniforms
+from mrl_jax.sampling import SamplingConfig, categorical, nucleus_mask, sample_rows, sample_step
 
 __all__ = [
     "SamplingConfig",
@@ -60,6 +62,7 @@ __all__ = [
     "nucleus_mask",
     "trace_count",
     "gen_buckets",
+    "row_uniforms",
     "DEFAULT_BUCKETS",
 ]
 
@@ -80,6 +83,9 @@ class Rollout:
 
     tokens: int32[B, N] generated ids (pad_id after the row stopped).
     logprobs: f32[B, N] behaviour log-probs (see ``SamplingConfig.logprobs_of``; 0 where mask is False).
+    sampling_logprobs: f32[B, N] log-probs under the distribution sampled from (tempered, then top-k / top-p /
+      min-p filtered and renormalised; 0 for greedy and where mask is False): the density of an importance
+      weight of these samples.
     mask: bool[B, N] True for generated tokens up to AND including the EOS.
     lengths: int32[B] number of True entries of mask.
     truncated: bool[B] True when the row never emitted EOS within N tokens.
@@ -87,6 +93,7 @@ class Rollout:
 
     tokens: jax.Array
     logprobs: jax.Array
+    sampling_logprobs: jax.Array
     mask: jax.Array
     lengths: jax.Array
     truncated: jax.Array
@@ -161,13 +168,21 @@ def gen_buckets(max_new_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     return tuple(out) + ((need,) if need > 0 else ())
 
 
+def row_uniforms(key: jax.Array, rows: int, steps: int) -> jax.Array:
+    """f32[B, N, 2]: the sampling uniforms of row b at each of its N steps, drawn from the row's own key
+    ``fold_in(key, b)``: a row's numbers depend neither on the number of rows nor on where the row runs."""
+    return jax.vmap(lambda b: jax.random.uniform(jax.random.fold_in(key, b), (steps, 2), jnp.float32))(
+        jnp.arange(rows, dtype=jnp.int32))
+
+
 def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):
-    """Write step i's token (pad after a row stopped) into the [B, N] outputs; update ``done``."""
+    """Write step i's token (pad after a row stopped) and its two log-probs (lp f32[2, B]) into the [B, N]
+    (logps: [2, B, N]) outputs; update ``done``."""
     live = ~done
     tok = jnp.where(live, tok, pad)
     lp = jnp.where(live, lp, 0.0)
     tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
-    logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, i))
+    logps = jax.lax.dynamic_update_slice(logps, lp[:, :, None], (0, 0, i))
     out_mask = jax.lax.dynamic_update_slice(out_mask, live[:, None], (0, i))
     if eos is not None:
         done = done | jnp.any(tok[:, None] == eos[None, :], axis=-1)
@@ -177,7 +192,7 @@ def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):
 def _decode_loop(model, cache, carry, prompt_len, uniforms, config, pad, eos):
     """Decode steps 1..N-1, one loop per length bucket (the cache grows between them).
 
-    carry: (tok [B], done [B], tokens/logps/out_mask [B, N]); step i feeds token i-1 at generated slot
+    carry: (tok [B], done [B], tokens/out_mask [B, N], logps [2, B, N]); step i feeds token i-1 at generated slot
     i-1 and samples token i with ``uniforms[i]`` (f32[N, 2, B, 1]; None when greedy). Returns the final carry.
     """
     n = config.max_new_tokens
@@ -187,7 +202,8 @@ def _decode_loop(model, cache, carry, prompt_len, uniforms, config, pad, eos):
         pos = (prompt_len + i - 1)[:, None]
         logits, cache = model.decode_step(tok[:, None], pos, cache, i - 1)
         u = None if uniforms is None else jax.lax.dynamic_index_in_dim(uniforms, i, keepdims=False)
-        tok, lp = sample_with_uniforms(logits[:, -1], u, config)
+        tok, lp, slp = sample_rows(logits[:, -1], u, config)
+        lp = jnp.stack([lp, slp])
         return (cache,) + _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos)
 
     state, start = (cache,) + tuple(carry), 1
@@ -215,7 +231,8 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
       graphdef, params: ``nnx.split(model)`` (graphdef is static: one compile per architecture).
       prompt_ids: int32[P, Tp], left-padded. Every row needs >= 1 real token (its last column).
       prompt_mask: bool[P, Tp], True on real tokens.
-      key: a PRNG key, fresh for every call (every step's uniforms are drawn from it at once).
+      key: a PRNG key, fresh for every call; row b samples from ``fold_in(key, b)`` (:func:`row_uniforms`), so
+        prompts appended after the P prompts (padding) do not change the first P * G rows' samples.
       config: :class:`SamplingConfig` (static).
       num_samples: G (static). Each prompt is prefilled ONCE and its cache shared by its G samples;
         the rows are prompt-major (row p * G + g), the same rows (and, with the same key, the same
@@ -252,19 +269,20 @@ def generate(graphdef, params, prompt_ids: jax.Array, prompt_mask: jax.Array, ke
 
     b = p * g
     tokens = jnp.full((b, n), pad, jnp.int32)
-    logps = jnp.zeros((b, n), jnp.float32)
+    logps = jnp.zeros((2, b, n), jnp.float32)   # [logprobs, sampling_logprobs]
     out_mask = jnp.zeros((b, n), bool)
-    # every step's uniforms in one draw: a per-step key derivation would put a small PRNG program (on CPU a
-    # rolled loop of tiny ops) in every decode step
-    uniforms = None if config.is_greedy else jax.random.uniform(key, (n, 2, b, 1), jnp.float32)
-    tok, lp = sample_with_uniforms(logits, None if uniforms is None else uniforms[0], config)
-    carry = _record(0, tok, lp, jnp.zeros((b,), bool), tokens, logps, out_mask, pad, eos)
+    # every step's uniforms drawn before the loop ([N, 2, B, 1], step i reads [i]): a per-step key derivation
+    # would put a small PRNG program (on CPU a rolled loop of tiny ops) in every decode step
+    uniforms = None if config.is_greedy else row_uniforms(key, b, n).transpose(1, 2, 0)[..., None]
+    tok, lp, slp = sample_rows(logits, None if uniforms is None else uniforms[0], config)
+    carry = _record(0, tok, jnp.stack([lp, slp]), jnp.zeros((b,), bool), tokens, logps, out_mask, pad, eos)
     if n > 1:
         carry = _decode_loop(model, cache, carry, prompt_len, uniforms, config, pad, eos)
     _, done, tokens, logps, out_mask = carry
     return Rollout(
         tokens=tokens,
-        logprobs=logps,
+        logprobs=logps[0],
+        sampling_logprobs=logps[1],
         mask=out_mask,
         lengths=jnp.sum(out_mask, axis=-1, dtype=jnp.int32),
         truncated=~done,

@@ -1,20 +1,24 @@
-"""Sampling from one decode step's logits: :class:`SamplingConfig` (temperature / top-k / top-p / greedy, EOS,
+"""Sampling from one decode step's logits: :class:`SamplingConfig` (temperature / top-k / top-p / min-p / greedy, EOS,
 which log-probs to report) and the pure functions :func:`sample_step`, :func:`categorical`, :func:`nucleus_mask`
 that :func:`mrl_jax.rollout.generate` calls inside its decode loop (:func:`sample_with_uniforms`, with the step's
 uniforms drawn up front).
 
 Behaviour log-probs (``Rollout.logprobs``) -- which distribution (``SamplingConfig.logprobs_of``):
 
-* ``"tempered"`` (DEFAULT): ``log_softmax(logits / temperature)[token]`` WITHOUT top-k / top-p
+* ``"tempered"`` (DEFAULT): ``log_softmax(logits / temperature)[token]`` WITHOUT top-k / top-p / min-p
   filtering. This is what TRL's GRPO trainer recomputes for pi_old / pi_theta (it divides the logits by
   ``temperature`` and takes the full-vocabulary log-softmax), so the GRPO ratio pi_theta / pi_old
   compares like with like when the learner uses the same temperature. With ``temperature == 0``
   (greedy) the temperature used here is 1; ``greedy=True`` with a temperature > 0 keeps that
   temperature for the log-probs.
-* ``"sampling"``: the log-prob under the distribution actually sampled from (tempered AND top-k/top-p
+* ``"sampling"``: the log-prob under the distribution actually sampled from (tempered AND top-k/top-p/min-p
   filtered, renormalised); 0 for greedy (a point mass). Use it for exact importance weights of the
   sampler itself.
 * ``"raw"``: ``log_softmax(logits)[token]``, the temperature-1 unfiltered model distribution.
+
+Whatever ``logprobs_of`` says, :func:`sample_rows` also returns the ``"sampling"`` log-prob (the sampler's
+second output, ``Rollout.sampling_logprobs``): the behaviour density an importance weight of these samples
+needs when a filter is on (PRP's peer ratio).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingConfig", "categorical", "nucleus_mask", "sample_step", "sample_with_uniforms"]
+__all__ = ["SamplingConfig", "categorical", "nucleus_mask", "sample_rows", "sample_step", "sample_with_uniforms"]
 
 _LOGPROBS_OF = ("tempered", "sampling", "raw")
 
@@ -40,6 +44,9 @@ class SamplingConfig:
       top_k: keep the k most likely tokens (0 = off). Applied after temperature, before top_p.
       top_p: nucleus sampling: keep the smallest set of most likely tokens whose (renormalised) mass
         reaches top_p (1.0 = off). Applied after top_k, as in ``transformers``.
+      min_p: keep the tokens whose probability is >= min_p times the most likely one's (0.0 = off;
+        ``transformers``' MinPLogitsWarper, applied after top_p; the ratio does not depend on the earlier
+        filters' renormalisation).
       greedy: argmax decoding (temperature / top_k / top_p ignored for the choice).
       eos_id: end-of-sequence id, or a tuple of ids (any of them stops the row), or None (never stop).
       pad_id: id written after a row has stopped.
@@ -57,6 +64,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     greedy: bool = False
     eos_id: int | tuple[int, ...] | None = None
     pad_id: int = 0
@@ -78,6 +86,8 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError(f"SamplingConfig.min_p must be in [0, 1) (0 = off), got {self.min_p}")
         if self.logprobs_of not in _LOGPROBS_OF:
             raise ValueError(f"SamplingConfig.logprobs_of must be one of {_LOGPROBS_OF}, got {self.logprobs_of!r}")
         if self.pad_id is None:
@@ -90,10 +100,16 @@ class SamplingConfig:
         object.__setattr__(self, "pad_id", int(self.pad_id))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
 
     @property
     def is_greedy(self) -> bool:
         return bool(self.greedy) or self.temperature == 0.0
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k, top-p or min-p cut the tempered distribution (sampled, not greedy)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -204,17 +220,31 @@ def sample_step(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tu
 
 def sample_with_uniforms(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
     """:func:`sample_step` with the row's uniforms given (``u: f32[2, B, 1]``; None when greedy)."""
+    return sample_rows(logits, u, config)[:2]
+
+
+def _min_p(vals: jax.Array, min_p: float) -> jax.Array:
+    """``vals`` (scaled logits, ``-inf`` = filtered) with the tokens below min_p x the top probability at -inf."""
+    if min_p <= 0.0:
+        return vals
+    return jnp.where(vals >= jnp.max(vals, axis=-1, keepdims=True) + math.log(min_p), vals, -jnp.inf)
+
+
+def sample_rows(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sample_with_uniforms` plus the ``"sampling"`` log-prob: (tokens int32[B], logprobs f32[B] per
+    ``config.logprobs_of``, sampling_logprobs f32[B] under the filtered distribution sampled from; 0 greedy)."""
     logits = logits.astype(jnp.float32)
     if config.is_greedy:
         tok = _argmax(logits)
+        zero = jnp.zeros(tok.shape, jnp.float32)
         if config.logprobs_of == "sampling":
-            return tok, jnp.zeros(tok.shape, jnp.float32)
+            return tok, zero, zero
         t = 1.0 if config.logprobs_of == "raw" or config.temperature == 0.0 else config.temperature
-        return tok, _logprob_at(logits / t, tok)
+        return tok, _logprob_at(logits / t, tok), zero
 
     scaled = logits / config.temperature
     vocab = logits.shape[-1]
-    unfiltered = not 0 < config.top_k < vocab and config.top_p >= 1.0
+    unfiltered = not 0 < config.top_k < vocab and config.top_p >= 1.0 and config.min_p <= 0.0
     if 0 < config.top_k < vocab:
         vals, idx = jax.lax.top_k(scaled, config.top_k)  # [B, k], sorted descending
         if config.top_p < 1.0:
@@ -222,6 +252,7 @@ def sample_with_uniforms(logits: jax.Array, u, config: SamplingConfig) -> tuple[
             before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each (sorted) entry
             keep = (before < config.top_p).at[..., 0].set(True)
             vals = jnp.where(keep, vals, -jnp.inf)
+        vals = _min_p(vals, config.min_p)
         choice, log_z = _inverse_cdf(u, vals)
         tok = _take(idx, choice).astype(jnp.int32)
         filtered_lp = _take(vals, choice) - log_z
@@ -230,12 +261,12 @@ def sample_with_uniforms(logits: jax.Array, u, config: SamplingConfig) -> tuple[
         if config.top_p < 1.0:
             keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), config.top_p)
             filtered = jnp.where(keep, scaled, -jnp.inf)
+        filtered = _min_p(filtered, config.min_p)
         tok, log_z = _inverse_cdf(u, filtered)
         filtered_lp = _take(filtered, tok) - log_z   # log-prob under the distribution sampled from
 
     if config.logprobs_of == "raw":
-        return tok, _logprob_at(logits, tok)
+        return tok, _logprob_at(logits, tok), filtered_lp
     if config.logprobs_of == "sampling" or unfiltered:   # unfiltered: that distribution is the tempered one
-        return tok, filtered_lp
-    return tok, _logprob_at(scaled, tok)   # "tempered" after a top-k / top-p filter
-
+        return tok, filtered_lp, filtered_lp
+    return tok, _logprob_at(scaled, tok), filtered_lp   # "tempered" after a filter

@@ -5,6 +5,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR
 
 Writes one JSON object, the facts the test asserts on (tests/worker_result.py).
 """
@@ -41,7 +42,8 @@ from mrl_jax.trainer.loop import Run, train  # noqa: E402
 from mrl_jax.trainer.round import run_round  # noqa: E402
 
 COSTS = {"policies.0.cost": 1.0, "policies.1.cost": 3.0}
-MWRA = {"min_size": 0}   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
+MWRA = {"min_size": 0}
+SIGNAL = {"faulty": {"seed": 0, "p": {}}}   # soak.digit_reward: a learning signal even for random tiny models   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
 
 
 def cfg_of(**overrides):
@@ -141,6 +143,46 @@ def main(root: Path) -> dict:
     return res
 
 
+def jsonl_rows(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def invariance_case(root: Path, devices: int, prompts: int) -> dict:
+    """The same 2-round config, ``prompts`` prompts per round, on ``devices`` devices (half each policy) and on
+    one device: per-row rewards of round 0 (every sample), logged samples, round-0 metrics, final params."""
+    over = {"rounds": 2, "prompts_per_round": prompts}
+    many = soak.tiny_config(**over, **{"policies.0.devices": devices // 2, "policies.1.devices": devices // 2})
+    many["mwra"] = {**MWRA, "devices": devices}
+    one = soak.tiny_config(**over)
+    one["mwra"] = {**MWRA, "devices": 1}
+    runs = {"many": root / f"many{devices}", "one": root / f"one{devices}"}
+    for name, d in (("many", many), ("one", one)):   # digit reward: non-zero advantages, so the params move
+        train(soak.to_run_config(d), runs[name], reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    plans = {k: [p["device_ids"] for p in json.loads((d / "plan.json").read_text())["policies"]]
+             for k, d in runs.items()}
+    groups = {k: {r["policy"]: r["rewards"] for r in jsonl_rows(d / "groups.jsonl") if r["round"] == 0}
+              for k, d in runs.items()}
+    samples = {k: [s for s in jsonl_rows(d / "samples.jsonl") if s["round"] == 0] for k, d in runs.items()}
+    metrics = {k: {r["policy"]: r for r in metrics_rows(d) if r.get("round") == 0} for k, d in runs.items()}
+    diffs = {f"{n}/{k}": abs(float(metrics["many"][n][k]) - float(metrics["one"][n][k]))
+             for n in metrics["one"] for k in ("loss", "kl", "grad_norm", "reward/mean", "completion/mean_length")
+             if k in metrics["one"][n]}
+    pa, pb = final_params(runs["many"]), final_params(runs["one"])
+    return {"plans": plans, "groups_equal": groups["many"] == groups["one"],
+            "reward_sum": float(sum(np.sum(r) for r in groups["one"].values())),
+            "grad_norms": [float(m.get("grad_norm", 0.0)) for m in metrics["one"].values()],
+            "group_rows": sum(len(r) * len(r[0]) for r in groups["one"].values()), "round0_metric_diffs": diffs,
+            "samples_equal": samples["many"] == samples["one"],
+            "final_param_max_diff": max(float(np.max(np.abs(x - y))) for x, y in zip(pa, pb))}
+
+
+def invariance(root: Path) -> dict:
+    """8 prompts on 6 devices (3 + 3) and 5 prompts on 4 (2 + 2), each against one device: no policy's data
+    axis divides P, so every mesh pads its prompt rows."""
+    return {"num_devices": len(jax.devices()), "cases": {f"{d}x{p}": invariance_case(root, d, p)
+                                                         for d, p in ((6, 8), (4, 5))}}
+
+
 def by_path(tree) -> dict:
     """``{path: numpy array}`` with nnx's ``value`` components dropped (the saved tree spells them out)."""
     return {"/".join(c for c in mwra.path_str(p).split("/") if c != "value"): np.asarray(x)
@@ -206,5 +248,6 @@ def mpref(root: Path) -> dict:
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref}[mode](root)
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref,
+              "invariance": invariance}[mode](root)
     worker_result.write(result)

@@ -48,10 +48,24 @@ def test_run_only_one_returns_its_figures(bench_dir, tmp_path):
 
 
 def test_a_failing_benchmark_is_recorded_not_raised(bench_dir, tmp_path):
-    summary = bench.run_benchmarks(tmp_path / "out", quick=True)
+    summary = bench.run_benchmarks(tmp_path / "out", quick=False)
     assert set(summary["benchmarks"]) == {"broken", "cheap"}
     assert "RuntimeError: boom" in summary["benchmarks"]["broken"]["error"]
     assert summary["benchmarks"]["cheap"]["items_per_s"] == 123.0
+
+
+def test_quick_is_a_quick_look(bench_dir, tmp_path, monkeypatch):
+    """--quick runs the QUICK_LOOK benchmarks only and names the others; the full run and ``only`` run them."""
+    monkeypatch.setattr(bench, "QUICK_LOOK", ("cheap",))
+    quick = bench.run_benchmarks(tmp_path / "q", quick=True)["benchmarks"]
+    assert quick["cheap"]["items_per_s"] == 123.0 and "error" not in quick["broken"]
+    assert "full run only" in quick["broken"]["skipped"]
+    assert "boom" in bench.run_benchmarks(tmp_path / "f", quick=False)["benchmarks"]["broken"]["error"]
+    assert "boom" in bench.run_benchmarks(tmp_path / "o", quick=True, only=["broken"])["benchmarks"]["broken"]["error"]
+
+
+def test_quick_look_names_real_benchmarks():
+    assert set(bench.QUICK_LOOK) < set(bench.available())
 
 
 def test_unknown_name_raises(bench_dir, tmp_path):

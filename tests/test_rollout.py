@@ -223,6 +223,7 @@ def test_sampling_logprobs_with_top_k(llama):
     want = np.take_along_axis(filt, tok[..., None], -1)[..., 0] - lse
     assert np.isfinite(want).all(), "a sampled token fell outside the top-k"
     np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(out.sampling_logprobs), np.asarray(out.logprobs))   # second output
 
 
 def test_eos_stops_and_masks(llama):
@@ -337,6 +338,26 @@ def test_num_samples_equals_repeated_prompts(fam, kw):
     if "greedy" not in kw:  # the G samples of a prompt differ (per-row keys), rows stay prompt-major
         toks = np.asarray(shared.tokens).reshape(ids.shape[0], G_SAMPLES, N_NEW)
         assert any(len({tuple(r) for r in t}) > 1 for t in toks)
+
+
+@pytest.mark.parametrize("extra", [1, 3])
+def test_padding_rows_do_not_change_the_real_rows(llama, extra):
+    """Prompts appended after the real ones (the padding to a device multiple) leave every real row's tokens
+    and log-probs unchanged: a row's noise is drawn from its own key, not from a [steps, rows] block."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=N_NEW, temperature=1.0, top_k=20, pad_id=0, eos_id=9)
+    key, rows = jax.random.key(5), ids.shape[0] * G_SAMPLES
+    base = generate(g, p, ids, mask, key, cfg, num_samples=G_SAMPLES)
+    pad_ids = jnp.concatenate([ids, jnp.repeat(ids[::-1][:1], extra, 0)])
+    pad_mask = jnp.concatenate([mask, jnp.repeat(mask[::-1][:1], extra, 0)])
+    padded = generate(g, p, pad_ids, pad_mask, key, cfg, num_samples=G_SAMPLES)
+    assert padded.tokens.shape[0] == rows + extra * G_SAMPLES
+    for field in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(padded, field))[:rows], np.asarray(getattr(base, field)))
+    np.testing.assert_allclose(np.asarray(padded.logprobs)[:rows], np.asarray(base.logprobs), atol=1e-6)
+    u = np.asarray(ro.row_uniforms(key, rows + 2, N_NEW))
+    np.testing.assert_array_equal(u[:rows], np.asarray(ro.row_uniforms(key, rows, N_NEW)))
+    np.testing.assert_array_equal(u[4], np.asarray(jax.random.uniform(jax.random.fold_in(key, 4), (N_NEW, 2))))
 
 
 def test_gen_buckets_and_long_generation_equal_full_forward(llama):

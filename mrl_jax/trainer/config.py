@@ -59,12 +59,14 @@ class SamplingSpec:
     temperature: float = field(1.0, help="softmax temperature (the learner scores with the same one)")
     top_k: int = field(0, help="keep the k most likely tokens; 0 = off")
     top_p: float = field(1.0, help="nucleus mass; 1.0 = off")
+    min_p: float = field(0.0, help="keep tokens with probability >= min_p x the top one's; 0 = off")
 
     def __post_init__(self):
         check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(0 <= self.min_p < 1, "min_p", f"must be in [0, 1), got {self.min_p}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -181,9 +181,9 @@ def pad_rows(n: int, multiple: int) -> int:
 def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """``ids``/``mask`` [P, Tp] padded with copies of the last prompt to a multiple of ``multiple`` rows.
 
-    The padding rows are inactive: the round drops their samples on the host. Rows are prompt-major and the
-    sampler's noise of row b does not depend on the row count (threefry counters per element), so the real
-    rows' samples are those of an unpadded call."""
+    The padding rows are inactive: the round drops their samples on the host. The sampler's noise of row b is
+    drawn from ``fold_in(key, b)`` (`mrl_jax.rollout.row_uniforms`), so the real rows' samples are those
+    of an unpadded call."""
     P = ids.shape[0]
     extra = pad_rows(P, multiple) - P
     if not extra:

@@ -213,8 +213,9 @@ def _accuracy(score):
 def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
     """Every policy's samples of the round into SEE (``see.add``); returns the new buffer."""
     max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
-    for ln in lanes:
-        lps = [ln.out.logprobs[b, :len(c)] for b, c in enumerate(ln.content)]
+    for ln in lanes:   # the behaviour density a peer's importance weight needs: the filtered one if filtering
+        lp = ln.out.sampling_logprobs if ln.pol.sampling.filters else ln.out.logprobs
+        lps = [lp[b, :len(c)] for b, c in enumerate(ln.content)]
         rewards = gate_success(ln.score.rewards, _accuracy(ln.score), see.tau)   # success = the verifier's
         exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
                                       rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,

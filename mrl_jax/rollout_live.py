@@ -1,0 +1,157 @@
+"""A sampler whose work follows the live rows: :func:`generate_live`, the static sampler's tokens with the
+batch compacted to its unfinished rows every few steps.
+
+    out, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=G)   # Rollout as generate's
+    stats["row_steps"] / out.lengths.sum()   # decode row-steps computed per token kept
+
+:func:`mrl_jax.rollout.generate` decodes every row until the longest one ends: with long-tailed completion
+lengths (reasoning RL) most of its row-steps are spent on finished rows. Here the P prompts are prefilled once,
+their caches copied to their G rows (the joint layout of :class:`mrl_jax.models.SampleCache`), and decoding
+runs in segments of ``segment`` steps (never across a cache length bucket, :func:`mrl_jax.rollout.gen_buckets`).
+After a segment the host reads which rows are done and gathers the live rows' caches, last tokens and
+uniforms into a batch of the next row bucket (:func:`row_bucket`: <= 25 % padding, a few sizes per
+doubling so a run compiles a handful of segment programs). Every live row is at the same step, so a segment is
+the static sampler's decode loop on fewer rows.
+
+Same key => same tokens as :func:`mrl_jax.rollout.generate`: a row's uniforms at step i are
+``row_uniforms(key, B, N)[row, i]`` wherever the row sits, and its logits do not depend on the other rows.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mrl_jax.rollout import Rollout, SamplingConfig, _record, gen_buckets, row_uniforms
+from mrl_jax.sampling import sample_rows
+
+__all__ = ["generate_live", "row_bucket"]
+
+
+def row_bucket(n: int, total: int) -> int:
+    """Rows a batch of ``n`` live rows is padded to: ``n`` rounded up to a multiple of a quarter of its
+    largest power of two (<= 25 % padding, at most 4 sizes per doubling), never above ``total``."""
+    if n <= 4:
+        return min(n, total)
+    step = (1 << (n.bit_length() - 1)) // 4
+    return min(-(-n // step) * step, total)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples",))
+def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int):
+    """Prefill once, copy each prompt's cache to its G rows (joint layout), sample token 0. Returns (cache,
+    tok int32[B], logprobs f32[2, B], prompt_len int32[B], uniforms f32[B, N, 2] or None)."""
+    model = nnx.merge(graphdef, params)
+    p, tp = prompt_ids.shape
+    g, n = num_samples, config.max_new_tokens
+    mcfg = getattr(model, "config", None)
+    if getattr(mcfg, "family", None) == "gpt2" and tp + n > mcfg.max_position_embeddings:
+        raise ValueError(f"generate_live: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
+                         f"{mcfg.max_position_embeddings} learned positions")
+    pmask = prompt_mask.astype(bool)
+    positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
+    buckets = gen_buckets(n, config.cache_bucket)
+    h, cache = model.prefill_shared(prompt_ids.astype(jnp.int32), positions, pmask, num_rows=p,
+                                    gen_len=buckets[0] if buckets else 1)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
+    logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)
+    u = None if config.is_greedy else row_uniforms(key, p * g, n)
+    tok, lp, slp = sample_rows(logits, None if u is None else u[:, 0].T[..., None], config)
+    return cache, tok, jnp.stack([lp, slp]), jnp.repeat(jnp.sum(pmask, -1, dtype=jnp.int32), g), u
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+def _segment(graphdef, params, cache, tok, done, prompt_len, u, config: SamplingConfig, width: int, gen_len: int,
+             start, stop):
+    """Decode steps [start, stop) (stop - start <= width) of S rows on a joint cache grown to ``gen_len``;
+    stops early when every row is done. Returns (cache, tok, done, tokens int32[S, width], logps f32[2, S, width],
+    mask bool[S, width]) with step i in column i - start."""
+    model = nnx.merge(graphdef, params)
+    s = tok.shape[0]
+    pad = jnp.int32(config.pad_id)
+    eos = jnp.asarray(config.eos_ids, jnp.int32) if config.eos_ids else None
+    cache = cache.grow(gen_len)
+
+    def body(state):
+        i, cache, tok, done, tokens, logps, out_mask = state
+        logits, cache = model.decode_step(tok[:, None], (prompt_len + i - 1)[:, None], cache, i - 1)
+        ui = None if u is None else jax.lax.dynamic_index_in_dim(u, i, axis=1, keepdims=False).T[..., None]
+        tok, lp, slp = sample_rows(logits[:, -1], ui, config)
+        rec = _record(i - start, tok, jnp.stack([lp, slp]), done, tokens, logps, out_mask, pad, eos)
+        return (i + 1, cache) + rec
+
+    def cond(state):
+        return (state[0] < stop) & ~jnp.all(state[3])
+
+    init = (jnp.asarray(start, jnp.int32), cache, tok, done, jnp.full((s, width), pad, jnp.int32),
+            jnp.zeros((2, s, width), jnp.float32), jnp.zeros((s, width), bool))
+    _, cache, tok, done, tokens, logps, out_mask = jax.lax.while_loop(cond, body, init)
+    return cache, tok, done, tokens, logps, out_mask
+
+
+_take_rows = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
+
+
+def _segments(n: int, config: SamplingConfig, width: int):
+    """[(start, stop, gen_len)]: decode steps 1..n-1 in pieces of <= width steps inside one length bucket."""
+    out, start = [], 1
+    for size in gen_buckets(n, config.cache_bucket):
+        end = min(size + 1, n)
+        while start < end:
+            out.append((start, min(start + width, end), size))
+            start = out[-1][1]
+    return out
+
+
+def generate_live(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *,
+                  num_samples: int = 1, segment: int = 8) -> tuple[Rollout, dict]:
+    """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens), computed on the live rows only.
+
+    Args as ``generate``; ``segment``: decode steps between two compactions (each one host read of the rows'
+    done flags). Returns (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (row-steps
+    computed, step 0 and padding rows included; the static sampler's is B * max(lengths)), ``segments`` and
+    ``batch_sizes`` (rows of each segment).
+    """
+    if int(segment) < 1:
+        raise ValueError(f"generate_live: segment must be >= 1, got {segment}")
+    g, n = int(num_samples), config.max_new_tokens
+    cache, tok, lp0, prompt_len, u = _start(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
+                                            key, config, num_samples=g)
+    b = tok.shape[0]
+    eos = np.asarray(config.eos_ids, np.int64)
+    tokens = np.full((b, n), config.pad_id, np.int32)
+    logps, mask = np.zeros((2, b, n), np.float32), np.zeros((b, n), bool)
+    tokens[:, 0], logps[:, :, 0], mask[:, 0] = np.asarray(tok), np.asarray(lp0), True
+    done = np.isin(tokens[:, 0], eos)
+    rows = np.arange(b)                         # global row of each slot; slots past ``live`` are padding
+    state = (cache, tok, jnp.asarray(done), prompt_len, u)
+    stats = {"row_steps": b, "segments": 0, "batch_sizes": []}   # step 0 (from the prefill) on every row
+    for start, stop, gen_len in _segments(n, config, int(segment)):
+        live = np.flatnonzero((rows >= 0) & ~done[np.maximum(rows, 0)])   # slots of unfinished rows
+        if live.size == 0:
+            break
+        size = row_bucket(live.size, b)
+        if size < rows.size:   # compact: the live slots first, padded with copies of one (marked done)
+            idx = np.concatenate([live, np.full(size - live.size, live[0])])
+            state = _take_rows(state, jnp.asarray(idx, jnp.int32))
+            pad_done = np.arange(size) >= live.size
+            state = state[:2] + (jnp.asarray(pad_done),) + state[3:]
+            rows = np.concatenate([rows[live], np.full(size - live.size, -1)])
+        cache, tok, dn, seg_tok, seg_lp, seg_mask = _segment(graphdef, params, *state[:4], state[4], config,
+                                                             int(segment), gen_len, start, stop)
+        state = (cache, tok, dn, state[3], state[4])
+        seg_tok, seg_lp, seg_mask, dn = (np.asarray(x) for x in (seg_tok, seg_lp, seg_mask, dn))
+        real, w = rows >= 0, stop - start
+        tokens[rows[real], start:stop] = seg_tok[real, :w]
+        logps[:, rows[real], start:stop] = seg_lp[:, real, :w]
+        mask[rows[real], start:stop] = seg_mask[real, :w]
+        done[rows[real]] = dn[real]
+        stats["row_steps"] += rows.size * int(np.max(seg_mask.sum(-1)))
+        stats["segments"] += 1
+        stats["batch_sizes"].append(int(rows.size))
+    out = Rollout(tokens=tokens, logprobs=logps[0], sampling_logprobs=logps[1], mask=mask,
+                  lengths=mask.sum(-1, dtype=np.int32), truncated=~done)
+    return out, stats

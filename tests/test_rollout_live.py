@@ -1,0 +1,64 @@
+"""generate_live (the batch compacted to its live rows) against the static sampler: same key, same tokens."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mrl_jax import models
+from mrl_jax.rollout import SamplingConfig, generate, left_pad
+from mrl_jax.rollout_live import _segments, generate_live, row_bucket
+
+VOCAB = 61
+PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    m = models.tiny_model("llama", VOCAB, seed=3, hidden_size=32, intermediate_size=64)
+    g, p = nnx.split(m)
+    p = jax.tree_util.tree_map(lambda x: x * 3.0, p)
+    ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
+    return g, p, ids, mask
+
+
+def test_row_bucket_and_segments():
+    assert [row_bucket(n, 100) for n in (1, 4, 5, 9, 17, 33, 64, 65, 99)] == [1, 4, 5, 10, 20, 40, 64, 80, 100]
+    assert all(n <= row_bucket(n, 1000) <= 1.25 * n for n in range(1, 1000))
+    cfg = SamplingConfig(max_new_tokens=40, cache_bucket=16)
+    segs = _segments(40, cfg, 6)
+    assert [s[0] for s in segs][0] == 1 and segs[-1][1] == 40
+    assert all(b - a <= 6 and a < b for a, b, _ in segs)
+    assert all(a == b for (_, a, _), (b, _, _) in zip(segs, segs[1:]))       # contiguous steps
+    assert all(stop - 1 <= size for _, stop, size in segs)                    # inside the step's length bucket
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.9, top_k=12, min_p=0.05)],
+                         ids=["plain", "filtered"])
+def test_live_rows_equal_the_static_sampler_on_long_tailed_lengths(llama, kw):
+    """Three EOS ids (~5 % a step): lengths from a few tokens to the limit; 3 prompts x G 4, segments of 5
+    steps across three cache buckets. Tokens, masks, lengths and both log-probs equal the static sampler's,
+    and fewer row-steps are computed than its B * max(lengths)."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, **kw)
+    key = jax.random.key(21)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4))
+    out, stats = generate_live(g, p, ids, mask, key, cfg, num_samples=4, segment=5)
+    lengths = np.asarray(ref.lengths)
+    assert lengths.min() < 10 and lengths.max() >= 20, lengths   # long-tailed: compaction has work to do
+    for f in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(out, f), np.asarray(getattr(ref, f)), err_msg=f)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+    np.testing.assert_allclose(out.sampling_logprobs, ref.sampling_logprobs, atol=1e-5)
+    assert stats["batch_sizes"][0] == 12 and min(stats["batch_sizes"]) < 12
+    assert lengths.sum() <= stats["row_steps"] < 12 * lengths.max()
+
+
+def test_greedy_single_sample(llama):
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=12, greedy=True, pad_id=0, eos_id=(7, 19, 33, 40, 41))
+    ref = jax.device_get(generate(g, p, ids, mask, jax.random.key(0), cfg))
+    out, _ = generate_live(g, p, ids, mask, jax.random.key(0), cfg, segment=3)
+    np.testing.assert_array_equal(out.tokens, np.asarray(ref.tokens))
+    np.testing.assert_array_equal(out.lengths, np.asarray(ref.lengths))
+    with pytest.raises(ValueError, match="segment"):
+        generate_live(g, p, ids, mask, jax.random.key(0), cfg, segment=0)
