@@ -55,6 +55,10 @@ class SamplingConfig:
         distribution actually sampled from) or "raw" (temperature 1, unfiltered). See module docstring.
       stop_early: with an eos_id, exit the decode loop as soon as every row has stopped
         (``lax.while_loop``). False: always run max_new_tokens steps (``lax.fori_loop``).
+      vocab_size: ids >= vocab_size are never chosen (0 = every id): the embedding rows a checkpoint has beyond its
+        tokenizer's vocabulary (released Phi-3: 32064 rows, 32011 tokens; Qwen2.5: 151936, 151665), which decode
+        to nothing. The choice and the "sampling" log-probs exclude them; "tempered" / "raw" keep the full
+        vocabulary (what the learner scores).
       cache_bucket: the smallest length bucket of the generated part of the cache (:func:`mrl_jax.rollout.gen_buckets`);
         each further bucket doubles it and adds one decode loop to the compiled program (compile time),
         so the default keeps generations of <= 65 tokens in one loop.
@@ -71,6 +75,7 @@ class SamplingConfig:
     logprobs_of: str = "tempered"
     stop_early: bool = True
     cache_bucket: int = 64
+    vocab_size: int = 0
 
     def __post_init__(self):
         if isinstance(self.eos_id, (list, tuple, np.ndarray)):
@@ -94,6 +99,9 @@ class SamplingConfig:
             raise ValueError("SamplingConfig.pad_id must be an int (the tokenizer's pad id, or eos if none)")
         if int(self.cache_bucket) < 1:
             raise ValueError(f"SamplingConfig.cache_bucket must be >= 1, got {self.cache_bucket}")
+        if int(self.vocab_size) < 0:
+            raise ValueError(f"SamplingConfig.vocab_size must be >= 0 (0 = every id), got {self.vocab_size}")
+        object.__setattr__(self, "vocab_size", int(self.vocab_size))
         object.__setattr__(self, "cache_bucket", int(self.cache_bucket))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "top_k", int(self.top_k))
@@ -108,8 +116,9 @@ class SamplingConfig:
 
     @property
     def filters(self) -> bool:
-        """True when top-k, top-p or min-p cut the tempered distribution (sampled, not greedy)."""
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        """True when top-k, top-p, min-p or a vocabulary cut change the tempered distribution (sampled, not
+        greedy)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.vocab_size > 0)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -234,17 +243,20 @@ def sample_rows(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array
     """:func:`sample_with_uniforms` plus the ``"sampling"`` log-prob: (tokens int32[B], logprobs f32[B] per
     ``config.logprobs_of``, sampling_logprobs f32[B] under the filtered distribution sampled from; 0 greedy)."""
     logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    cut = 0 < config.vocab_size < vocab
+    allowed = jnp.where(jnp.arange(vocab) < config.vocab_size, logits, -jnp.inf) if cut else logits
     if config.is_greedy:
-        tok = _argmax(logits)
+        tok = _argmax(allowed)
         zero = jnp.zeros(tok.shape, jnp.float32)
         if config.logprobs_of == "sampling":
             return tok, zero, zero
         t = 1.0 if config.logprobs_of == "raw" or config.temperature == 0.0 else config.temperature
         return tok, _logprob_at(logits / t, tok), zero
 
-    scaled = logits / config.temperature
-    vocab = logits.shape[-1]
-    unfiltered = not 0 < config.top_k < vocab and config.top_p >= 1.0 and config.min_p <= 0.0
+    tempered = logits / config.temperature
+    scaled = allowed / config.temperature
+    unfiltered = not cut and not 0 < config.top_k < vocab and config.top_p >= 1.0 and config.min_p <= 0.0
     if 0 < config.top_k < vocab:
         vals, idx = jax.lax.top_k(scaled, config.top_k)  # [B, k], sorted descending
         if config.top_p < 1.0:
@@ -269,4 +281,4 @@ def sample_rows(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array
         return tok, _logprob_at(logits, tok), filtered_lp
     if config.logprobs_of == "sampling" or unfiltered:   # unfiltered: that distribution is the tempered one
         return tok, filtered_lp, filtered_lp
-    return tok, _logprob_at(scaled, tok), filtered_lp   # "tempered" after a filter
+    return tok, _logprob_at(tempered, tok), filtered_lp   # "tempered" after a filter

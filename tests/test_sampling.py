@@ -115,3 +115,29 @@ def test_run_config_min_p():
     assert run.policies[0].sampling.min_p == 0.1 and run.policies[0].sampling.filters
     with pytest.raises(ConfigError, match="min_p"):
         soak.to_run_config(soak.tiny_config(**{"policies.0.sampling": {"max_new_tokens": 6, "min_p": 1.5}}))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=5), dict(top_p=0.8), dict(greedy=True)],
+                         ids=["plain", "top_k", "top_p", "greedy"])
+def test_ids_beyond_the_tokenizer_are_never_chosen(kw):
+    """A model with more embedding rows than its tokenizer has tokens (released Phi-3, Qwen2.5): with
+    ``vocab_size`` set, no id >= vocab_size is drawn even where those rows hold most of the mass; the "sampling"
+    log-prob is that of the distribution renormalised over the tokenizer's ids, the tempered one keeps the full
+    vocabulary (what the learner scores)."""
+    V, real, t = 40, 29, 0.9
+    logits = np.array(jax.random.normal(jax.random.key(4), (64, V)))
+    logits[:, real:] += 4.0   # the rows past the tokenizer dominate
+    u = jax.random.uniform(jax.random.key(5), (2, 64, 1))
+    cfg = SamplingConfig(max_new_tokens=1, temperature=t, vocab_size=real, **kw)
+    assert cfg.filters == (not kw.get("greedy"))
+    tok, lp, slp = (np.asarray(x) for x in sample_rows(jnp.asarray(logits), None if kw.get("greedy") else u, cfg))
+    assert (tok < real).all()
+    if kw.get("greedy"):
+        np.testing.assert_array_equal(tok, logits[:, :real].argmax(-1))
+        return
+    want = filtered_np(logits[:, :real], t, **kw)
+    np.testing.assert_allclose(slp, np.log(want[np.arange(64), tok]), atol=2e-5)
+    tempered = logits / t - np.log(np.exp(logits / t).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, tempered[np.arange(64), tok], atol=2e-5)
+    free = np.asarray(sample_rows(jnp.asarray(logits), u, SamplingConfig(max_new_tokens=1, temperature=t, **kw))[0])
+    assert (free >= real).any()   # without the cut those rows are drawn

@@ -253,11 +253,13 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
         update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
+    model_vocab = model.config.vocab_size
     prompt_format = build_prompt_format(spec, tokenizer)
     warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, min_p=s.min_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
-                              pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+                              pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+                              vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
     ref_logp = make_logp_fn(graphdef, grpo_cfg, opt.micro_batch_size) if grpo_cfg.beta > 0 and not spec.lora.rank \
         else None  # a LoRA policy's reference (adapters off) is scored inside its update
     see = run.see
