@@ -7,10 +7,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import KVCache, PrefixMask, SampleCache, default_positions, make_mask
+from .attention import CausalMask, KVCache, PrefixMask, SampleCache, default_positions
 from .config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
+
+# ``ModelConfig.remat`` -> what a decoder layer keeps for the backward (None: everything, no remat).
+# "full" keeps only the layer's input (the layer is recomputed in the backward); "dots_saveable" keeps every
+# matmul output; "dots_with_no_batch_dims_saveable" keeps the projections' and MLP's outputs, not attention's.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def dense(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, preferred_element_type=None) -> jax.Array:
@@ -98,6 +108,17 @@ def activation(name: str):
     return lambda x: jax.nn.gelu(x, approximate=True)  # gelu_new / gelu_pytorch_tanh
 
 
+def _remat_layer(layer, index: int, policy):
+    """``(x, positions, mask, cache_index) -> x`` of one cache-free decoder layer under ``jax.checkpoint``."""
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, positions, mask, cache_index):
+        return nnx.merge(graphdef, state)(x, positions, mask, cache=None, layer=index, cache_index=cache_index)[0]
+
+    remat = jax.checkpoint(run, policy=policy)
+    return lambda x, positions, mask, cache_index: remat(state, x, positions, mask, cache_index)
+
+
 class CausalLM(nnx.Module):
     """Shared public API. Subclasses define ``embed(ids, positions)``, ``layers`` (nnx.List of blocks with
     ``__call__(x, positions, mask, cache, layer, cache_index) -> (x, cache)``, x the residual stream as rows
@@ -121,17 +142,27 @@ class CausalLM(nnx.Module):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
         if isinstance(cache, SampleCache):
             return {w: cache.step_masks(cache_index, w) for w in windows}
-        return {w: make_mask(kv_mask, cache_index, T, w) for w in windows}
+        return {w: CausalMask(kv_mask=kv_mask, offset=cache_index, num_queries=T, window=w) for w in windows}
+
+    def _layers(self, x, positions, masks: dict, cache, cache_index):
+        """Every decoder layer over the rows x [N, D]; layer i gets ``masks[layer_window(i)]``. Without a cache
+        each layer runs under ``jax.checkpoint`` with the ``config.remat`` policy (inference never differentiates,
+        so only the update pays the recompute)."""
+        policy = REMAT_POLICIES[self.config.remat]
+        for i, layer in enumerate(self.layers):
+            mask = masks[self.config.layer_window(i)]
+            if cache is None and policy is not None:
+                x = _remat_layer(layer, i, policy)(x, positions, mask, cache_index)
+            else:
+                x, cache = layer(x, positions, mask, cache=cache, layer=i, cache_index=cache_index)
+        return x, cache
 
     def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
         B, T = input_ids.shape
         # the residual stream as rows [B*T, D]: norms, projections and MLPs are 2-D (see ``dense``); only
         # attention sees [B, T, heads, head_dim]. Measured on CPU: the layer's gradient 1.4x faster.
         x = self.embed(input_ids, positions).reshape(B * T, -1)
-        masks = self._masks(kv_mask, cache_index, T, cache)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
-                             cache_index=cache_index)
+        x, cache = self._layers(x, positions, self._masks(kv_mask, cache_index, T, cache), cache, cache_index)
         return self.final_norm(x).reshape(B, T, -1), cache
 
     # -- public API
@@ -171,8 +202,7 @@ class CausalLM(nnx.Module):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
         masks = {w: PrefixMask.build(pm, cm, w) for w in windows}
         x = self.embed(ids, pos).reshape(ids.shape[1], -1)
-        for i, layer in enumerate(self.layers):
-            x, _ = layer(x, pos, masks[self.config.layer_window(i)], cache=None, layer=i, cache_index=0)
+        x, _ = self._layers(x, pos, masks, None, 0)
         h = self.final_norm(x)
         return h[: P * Tp].reshape(P, Tp, -1)[:, -1], h[P * Tp:].reshape(B, Tc, -1)
 
