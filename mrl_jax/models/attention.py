@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .flash import BLOCK, blockwise_attention
+from . import flash
+from .flash import blockwise_attention
 
 _NEG = -1e30  # finite: fully-masked rows (left-pad queries) give a uniform softmax, never NaN
 
@@ -272,7 +273,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
 
 
 def _blockwise(impl: str, num_queries: int, num_keys: int) -> bool:
-    return impl == "blockwise" or (impl == "auto" and num_queries > 1 and num_keys > BLOCK)
+    return impl == "blockwise" or (impl == "auto" and num_queries > 1 and num_keys > flash.BLOCK)
 
 
 def _cap(s: jax.Array, softcap: Optional[float]) -> jax.Array:

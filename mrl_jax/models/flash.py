@@ -28,15 +28,16 @@ _FAR = 2 ** 30       # slot of a padding key: after every query, so a block of p
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slot: jax.Array, k_slot: jax.Array,
                         kv_valid: jax.Array, *, scale: float, window: Optional[int] = None,
-                        softcap: Optional[float] = None, block_q: int = BLOCK, block_k: int = BLOCK) -> jax.Array:
+                        softcap: Optional[float] = None, block_q: Optional[int] = None,
+                        block_k: Optional[int] = None) -> jax.Array:
     """q [B, T, H, D]; k, v [B, S, K, D]; q_slot int32[T]; k_slot int32[S]; kv_valid bool[B, S].
 
-    softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2). Returns [B, T, H, D]
-    in q.dtype."""
+    softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2); block_q / block_k:
+    block sizes (default ``BLOCK``; a block over a short axis is that axis). Returns [B, T, H, D] in q.dtype."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     g = H // K
-    bq, bk = min(block_q, T), min(block_k, S)
+    bq, bk = min(block_q or BLOCK, T), min(block_k or BLOCK, S)
     nq, nk = -(-T // bq), -(-S // bk)
     pq, pk = nq * bq - T, nk * bk - S
     dt = q.dtype

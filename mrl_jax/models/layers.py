@@ -108,15 +108,23 @@ def activation(name: str):
     return lambda x: jax.nn.gelu(x, approximate=True)  # gelu_new / gelu_pytorch_tanh
 
 
-def _remat_layer(layer, index: int, policy):
-    """``(x, positions, mask, cache_index) -> x`` of one cache-free decoder layer under ``jax.checkpoint``."""
-    graphdef, state = nnx.split(layer)
+def _remat_scan(layers: list, policy, x, positions, mask, cache_index):
+    """x [N, D] through ``layers`` (one graphdef, one mask), cache-free, each under ``jax.checkpoint(policy)``.
 
-    def run(state, x, positions, mask, cache_index):
-        return nnx.merge(graphdef, state)(x, positions, mask, cache=None, layer=index, cache_index=cache_index)[0]
+    Several layers run as a ``lax.scan`` over their stacked params: the backward recomputes a layer inside the
+    loop body, so what is kept between layers is x alone (a Python loop of checkpointed calls leaves the
+    recompute to XLA's scheduler, and XLA:CPU merges it with the forward: no saving)."""
+    graphdef = nnx.graphdef(layers[0])
 
-    remat = jax.checkpoint(run, policy=policy)
-    return lambda x, positions, mask, cache_index: remat(state, x, positions, mask, cache_index)
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, positions, mask, cache=None, layer=0, cache_index=cache_index)[0]
+
+    body = jax.checkpoint(body, policy=policy)
+    states = [nnx.state(layer) for layer in layers]
+    if len(states) == 1:
+        return body(x, states[0])
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    return jax.lax.scan(lambda c, st: (body(c, st), None), x, stacked)[0]
 
 
 class CausalLM(nnx.Module):
@@ -146,16 +154,21 @@ class CausalLM(nnx.Module):
 
     def _layers(self, x, positions, masks: dict, cache, cache_index):
         """Every decoder layer over the rows x [N, D]; layer i gets ``masks[layer_window(i)]``. Without a cache
-        each layer runs under ``jax.checkpoint`` with the ``config.remat`` policy (inference never differentiates,
-        so only the update pays the recompute)."""
+        and with ``config.remat`` set, runs of consecutive layers with one structure and one window go through
+        :func:`_remat_scan` (the sampler passes a cache: never rematerialised)."""
         policy = REMAT_POLICIES[self.config.remat]
-        for i, layer in enumerate(self.layers):
-            mask = masks[self.config.layer_window(i)]
-            if cache is None and policy is not None:
-                x = _remat_layer(layer, i, policy)(x, positions, mask, cache_index)
-            else:
-                x, cache = layer(x, positions, mask, cache=cache, layer=i, cache_index=cache_index)
-        return x, cache
+        if cache is not None or policy is None:
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
+                                 cache_index=cache_index)
+            return x, cache
+        keys = [(nnx.graphdef(layer), self.config.layer_window(i)) for i, layer in enumerate(self.layers)]
+        start = 0
+        for i in range(1, len(keys) + 1):
+            if i == len(keys) or keys[i] != keys[start]:
+                x = _remat_scan(list(self.layers)[start:i], policy, x, positions, masks[keys[start][1]], cache_index)
+                start = i
+        return x, None
 
     def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
         B, T = input_ids.shape
