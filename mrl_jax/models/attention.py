@@ -344,7 +344,8 @@ def _attend_prefix(q, k, v, mask: PrefixMask, scale, softcap=None):
     sp = jax.lax.dot_general(qc.reshape(K, P, M * Tc * g, D), pk, _QK, preferred_element_type=jnp.float32)
     sp = _cap(sp.reshape(K, P, M, Tc, g, Tp) * scale, softcap) + _bias(mask.to_prompt)[None, :, :, :, None]
     sc = jax.lax.dot_general(qc.reshape(K, B, Tc * g, D), kc, _QK, preferred_element_type=jnp.float32)
-    sc = _cap(sc.reshape(K, P, M, Tc, g, Tc) * scale, softcap) + _bias(mask.completion.reshape(P, M, Tc, Tc))[None, :, :, :, None]
+    sc = _cap(sc.reshape(K, P, M, Tc, g, Tc) * scale, softcap)
+    sc = sc + _bias(mask.completion.reshape(P, M, Tc, Tc))[None, :, :, :, None]
     # Each block's exponentials against its own max, weighted by exp(own max - common max) / normaliser on the
     # [., D] outputs: no score-sized divide, and each max reduces one block (with one joint max the pair of blocks
     # cost 2.5x the two done apart).

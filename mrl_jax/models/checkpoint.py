@@ -110,7 +110,8 @@ def from_pretrained(path: PathLike, *, dtype=None, param_dtype=None, remat: str 
     """Load a local HF checkpoint folder into an NNX model.
 
     param_dtype: storage dtype of the params (default float32, whatever the file's dtype); dtype: compute
-    dtype (default = param_dtype); remat, attention: ``ModelConfig`` fields (not in config.json). Raises ``CheckpointError`` naming the file/tensor and the fix."""
+    dtype (default = param_dtype); remat, attention: ``ModelConfig`` fields (not in config.json).
+    Raises ``CheckpointError`` naming the file/tensor and the fix."""
     path = Path(path)
     hf = read_config(path)
     cfg = ModelConfig.from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=str(path / "config.json"))

@@ -9,8 +9,8 @@ sliding windows and the prompt-shared layout (a completion's keys are its prompt
 Forward: for each query block (``lax.map``), a ``lax.scan`` over key blocks keeps the running max, normaliser
 and output. Every block pair is computed, masked ones too: a ``lax.cond`` skip of the causally hidden blocks
 made XLA:CPU keep a [B, H, T, S]-sized buffer once the layer ran inside remat's ``lax.scan`` over layers
-(3.1x the temporaries at 2 layers x 2048 tokens). Backward (``jax.custom_vjp``): the scores of each block pair are recomputed from q, k and the
-saved log-normaliser, so the residuals are q, k, v, the output and one float32 per query and head. Memory is
+(3.1x the temporaries at 2 layers x 2048 tokens). Backward (``jax.custom_vjp``): the scores of each block pair
+are recomputed from q, k and the saved log-normaliser, so the residuals are q, k, v, the output and one float32 per query and head. Memory is
 O(B * H * (T + S) * D) plus one [B, H, block_q, block_k] score block. Scores, softmax and accumulators are
 float32; matmul inputs are the compute dtype.
 A query that sees no key at all (a left-padding position) gives zeros and passes no gradient.
