@@ -28,6 +28,8 @@ Sections (in order; see ``SECTIONS``):
                   kernel would read, and the f32 [B, V] logits bytes, which the roofline omits).
   sampler_variants  B=256 decode step with top_p=0.95 (sort-free nucleus), top_k=50 + top_p=0.95,
                   and the early-stop while_loop (eos set, never hit) vs the fixed-trip loop.
+  update_long_seq the update at 16 x (256 + 4096) tokens with remat + blockwise attention: compiled memory,
+                  peak device memory, MFU.
   update_step_mfu HOOK for the lead: fill in :func:`update_step_mfu` (GRPO update-step MFU); it gets
                   the shared context (model, graphdef, params, flop/byte helpers, peak numbers).
 
@@ -298,6 +300,25 @@ def update_step_mfu(ctx: Context) -> dict:
     """The jitted GRPO update (probe ``none``, chunked log-softmax, AdamW) on batch 16 x 1024 tokens
     (64 prompt + 960 completion) of the bf16 model; MFU against a measured bf16 matmul ceiling and the
     H200 spec peak. FLOPs/token = 6 N_non-embedding + 6 hidden vocab + 12 L hidden T (GPU-ANCHORS.md)."""
+    rows, tp, tc = (4, 8, 24) if ctx.tiny else (16, 64, 960)
+    return dict(_update_mfu(ctx, rows, tp, tc, ctx.graphdef), hf_reference_tokens_per_s=88.7e3)
+
+
+def update_long_seq(ctx: Context) -> dict:
+    """The update at 16 x (256 + 4096) tokens with per-layer remat (``remat="full"``) and blockwise attention
+    (``attention="blockwise"``): XLA's compiled memory analysis, the device's peak bytes in use, and MFU (the
+    FLOPs count no recompute: remat's extra forward is overhead, as in the MFU convention)."""
+    from flax import nnx
+
+    from mrl_jax.models.factory import abstract_model
+
+    rows, tp, tc = (4, 8, 40) if ctx.tiny else (16, 256, 4096)
+    cfg = ctx.model.config.replace(remat="full", attention="blockwise")
+    graphdef = nnx.split(abstract_model(cfg))[0]
+    return _update_mfu(ctx, rows, tp, tc, graphdef, memory=True)
+
+
+def _update_mfu(ctx: Context, rows: int, tp: int, tc: int, graphdef, memory: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -305,7 +326,6 @@ def update_step_mfu(ctx: Context) -> dict:
     from mrl_jax.learner import Batch, GRPOConfig, make_optimizer, make_update_step
 
     m = ctx.shape["model"]
-    rows, tp, tc = (4, 8, 24) if ctx.tiny else (16, 64, 960)
     n = 4096 if not ctx.tiny else 256
     a = jnp.ones((n, n), jnp.bfloat16)
     mm = jax.jit(lambda x: x @ x)
@@ -313,7 +333,7 @@ def update_step_mfu(ctx: Context) -> dict:
     ceiling = 2 * n ** 3 / t_mm
     cfg = GRPOConfig(num_generations=8 if not ctx.tiny else 2, max_completion_length=tc, logprob_chunk_size=128)
     opt = make_optimizer(1e-6)
-    update = make_update_step(ctx.graphdef, opt, "none", cfg)
+    update = make_update_step(graphdef, opt, "none", cfg)
     P = rows // cfg.num_generations
     key = jax.random.PRNGKey(0)
     batch = Batch(prompt_ids=jax.random.randint(key, (P, tp), 0, m["vocab_size"], jnp.int32),
@@ -325,20 +345,28 @@ def update_step_mfu(ctx: Context) -> dict:
     view = see.empty_view(P, 1, tc, 1, 1)
     state = {"p": jax.tree.map(jnp.array, ctx.params)}
     state["o"] = opt.init(state["p"])
+    out = {}
+    if memory:
+        mem = update.lower(state["p"], state["o"], batch, view, key).compile().memory_analysis()
+        out["compiled_gb"] = {k: getattr(mem, f"{k}_size_in_bytes") / 1e9
+                              for k in ("temp", "argument", "output", "alias")}
 
     def step():
         state["p"], state["o"], met = update(state["p"], state["o"], batch, view, key)
         jax.block_until_ready(met["loss"])
 
-    t = timeit(step, repeats=5, warmup=2)
+    t = timeit(step, repeats=5 if not memory else 3, warmup=1 if memory else 2)
+    if memory:
+        stats = jax.devices()[0].memory_stats() or {}
+        out["peak_bytes_in_use_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
     tokens = rows * (tp + tc)
     n_emb = m["vocab_size"] * m["hidden_size"]
     n_params = int(sum(x.size for x in jax.tree.leaves(ctx.params)))
     flops_tok = 6 * (n_params - n_emb) + 6 * m["hidden_size"] * m["vocab_size"] + 12 * m["num_layers"] * m["hidden_size"] * (tp + tc)
     achieved = flops_tok * tokens / t["median_s"]
-    return {"rows": rows, "tokens_per_step": tokens, "step": t, "tokens_per_s": tokens / t["median_s"],
-            "matmul_ceiling_flops": ceiling, "mfu_vs_measured_ceiling": achieved / ceiling,
-            "mfu_vs_spec_peak": achieved / H200_PEAK_BF16_FLOPS, "hf_reference_tokens_per_s": 88.7e3}
+    return dict(out, rows=rows, tokens_per_step=tokens, step=t, tokens_per_s=tokens / t["median_s"],
+                matmul_ceiling_flops=ceiling, mfu_vs_measured_ceiling=achieved / ceiling,
+                mfu_vs_spec_peak=achieved / H200_PEAK_BF16_FLOPS)
 
 
 def section_update_step_mfu(ctx: Context) -> dict:
@@ -353,6 +381,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict], float]] = [
     ("generate_b64", section_generate_b64, 40),
     ("generate_b256", section_generate_b256, 40),
     ("update_step_mfu", section_update_step_mfu, 20),
+    ("update_long_seq", update_long_seq, 60),
     ("sampler_variants", section_sampler_variants, 40),
 ]
 

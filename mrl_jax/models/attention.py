@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from . import flash
+from .flash import blockwise_attention
+
 _NEG = -1e30  # finite: fully-masked rows (left-pad queries) give a uniform softmax, never NaN
 
 
@@ -129,31 +132,61 @@ class SampleCache:
 
 
 @struct.dataclass
+class CausalMask:
+    """Causal attention of T new queries at slots [offset, offset + T) over S key slots, kept structural (no
+    [B, T, S] array): query t sees slot s iff kv_mask[b, s], s <= offset + t and (sliding window) s > offset + t
+    - window. ``dense()`` is the bool[B, T, S] of :func:`make_mask`."""
+
+    kv_mask: jax.Array
+    offset: jax.Array
+    num_queries: int = struct.field(pytree_node=False)
+    window: Optional[int] = struct.field(pytree_node=False, default=None)
+
+    def dense(self) -> jax.Array:
+        return make_mask(self.kv_mask, self.offset, self.num_queries, self.window)
+
+    @property
+    def q_slot(self) -> jax.Array:
+        return jnp.asarray(self.offset, jnp.int32) + jnp.arange(self.num_queries, dtype=jnp.int32)
+
+
+@struct.dataclass
 class PrefixMask:
     """Masks of a prompt-shared layout: P prompts of Tp tokens, each followed by M completions of Tc tokens,
     laid out as ONE row of N = P*Tp + P*M*Tc tokens (prompts first, then completions prompt-major).
 
-    prompt: bool[P, Tp, Tp] (causal self-attention inside each prompt); to_prompt: bool[P, M or 1, Tc, Tp]
-    (completion query t of sample m sees prompt slot s); completion: bool[P*M, Tc, Tc] (causal inside each
-    completion). The prompt's keys are computed once and read by its M completions (gradients summed back).
+    Kept structural: prompt_mask bool[P, Tp] (left padding False), completion_mask bool[P*M, Tc], window. The
+    dense forms: ``prompt`` bool[P, Tp, Tp] (causal self-attention inside each prompt); ``to_prompt``
+    bool[P, M or 1, Tc, Tp] (completion query t of sample m sees prompt slot s); ``completion`` bool[P*M, Tc, Tc]
+    (causal inside each completion). The prompt's keys are computed once and read by its M completions
+    (gradients summed back).
     """
 
-    prompt: jax.Array
-    to_prompt: jax.Array
-    completion: jax.Array
+    prompt_mask: jax.Array
+    completion_mask: jax.Array
+    window: Optional[int] = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def build(cls, prompt_mask: jax.Array, completion_mask: jax.Array, window: Optional[int] = None) -> "PrefixMask":
         """prompt_mask bool[P, Tp] (left padding False), completion_mask [P*M, Tc] (1 = real token)."""
-        P, Tp = prompt_mask.shape
-        B, Tc = completion_mask.shape
-        pm = prompt_mask.astype(bool)
-        to_prompt = pm[:, None, None, :]
-        if window is not None:   # completion query t sits at slot Tp + t of the concatenated row
+        return cls(prompt_mask=prompt_mask.astype(bool), completion_mask=completion_mask > 0, window=window)
+
+    @property
+    def prompt(self) -> jax.Array:
+        return make_mask(self.prompt_mask, 0, self.prompt_mask.shape[1], self.window)
+
+    @property
+    def to_prompt(self) -> jax.Array:
+        Tp, Tc = self.prompt_mask.shape[1], self.completion_mask.shape[1]
+        to_prompt = self.prompt_mask[:, None, None, :]
+        if self.window is not None:   # completion query t sits at slot Tp + t of the concatenated row
             t, s = jnp.arange(Tc)[:, None], jnp.arange(Tp)[None, :]
-            to_prompt = to_prompt & (s > Tp + t - window)[None, None]
-        return cls(prompt=make_mask(pm, 0, Tp, window), to_prompt=to_prompt,
-                   completion=make_mask(completion_mask > 0, 0, Tc, window))
+            to_prompt = to_prompt & (s > Tp + t - self.window)[None, None]
+        return to_prompt
+
+    @property
+    def completion(self) -> jax.Array:
+        return make_mask(self.completion_mask, 0, self.completion_mask.shape[1], self.window)
 
 
 def default_positions(input_ids: jax.Array, attention_mask: Optional[jax.Array]) -> jax.Array:
@@ -192,23 +225,30 @@ def make_mask(kv_mask: jax.Array, cache_index, num_queries: int, window: Optiona
     return kv_mask.astype(bool)[:, None, :] & allowed[None]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
-              cache: Optional[KVCache] = None, layer: int = 0,
-              cache_index=0) -> Tuple[jax.Array, Optional[KVCache]]:
+IMPLS = ("auto", "dense", "blockwise")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
+              cache: Optional[KVCache] = None, layer: int = 0, cache_index=0, softcap: Optional[float] = None,
+              impl: str = "auto") -> Tuple[jax.Array, Optional[KVCache]]:
     """Grouped-query attention with an explicit cache in and out.
 
-    q: [B, T, H, D]; k, v: [B, T, K, D] for the T new tokens; mask: bool[B, T, S].
+    q: [B, T, H, D]; k, v: [B, T, K, D] for the T new tokens; mask: bool[B, T, S] or a :class:`CausalMask`.
     cache None: the keys are the new tokens (S = T). A KVCache: the new k/v are written into
     ``cache`` layer ``layer`` at slots [cache_index, cache_index + T) (caller keeps cache_index + T <= S)
     and the queries attend over all S slots of that layer. A SampleCache (one decode step, T = 1): see
     :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair. A PrefixMask (q, k, v [1, N, ., D] of the
     prompt-shared layout): see :func:`_attend_prefix`.
+    softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2 style).
+    impl: "dense" (one float32 score array per layer), "blockwise" (:mod:`mrl_jax.models.flash`: online softmax
+    over key blocks, recomputing backward, memory linear in length; CausalMask / PrefixMask only) or "auto"
+    (blockwise for a structural mask with several queries over more than ``flash.BLOCK`` keys, else dense).
     Scores, mask and softmax in float32; returns ([B, T, H, D] in q.dtype, updated cache or None).
     """
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     if isinstance(cache, SampleCache):
-        return _attend_shared(q, k, v, mask, scale, cache, layer, cache_index)
-    if isinstance(mask, PrefixMask):
-        return _attend_prefix(q, k, v, mask, scale), cache
+        return _attend_shared(q, k, v, mask, scale, cache, layer, cache_index, softcap)
     if cache is not None:
         idx = jnp.asarray(cache_index, jnp.int32)
         zero = jnp.zeros((), jnp.int32)
@@ -217,7 +257,46 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
         cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
         cache = KVCache(k=ck, v=cv)
         k, v = ck[layer], cv[layer]
-    return _attend(q, k, v, mask, scale), cache
+    if isinstance(mask, PrefixMask):
+        Tc, S = mask.completion_mask.shape[1], mask.prompt_mask.shape[1] + mask.completion_mask.shape[1]
+        if _blockwise(impl, Tc, S):
+            return _attend_prefix_blockwise(q, k, v, mask, scale, softcap), cache
+        return _attend_prefix(q, k, v, mask, scale, softcap), cache
+    if isinstance(mask, CausalMask):
+        if _blockwise(impl, q.shape[1], k.shape[1]):
+            S = k.shape[1]
+            out = blockwise_attention(q, k, v, mask.q_slot, jnp.arange(S, dtype=jnp.int32), mask.kv_mask,
+                                      scale=scale, window=mask.window, softcap=softcap)
+            return out, cache
+        mask = mask.dense()
+    return _attend(q, k, v, mask, scale, softcap), cache
+
+
+def _blockwise(impl: str, num_queries: int, num_keys: int) -> bool:
+    return impl == "blockwise" or (impl == "auto" and num_queries > 1 and num_keys > flash.BLOCK)
+
+
+def _cap(s: jax.Array, softcap: Optional[float]) -> jax.Array:
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def _attend_prefix_blockwise(q, k, v, mask: PrefixMask, scale, softcap):
+    """The prompt-shared layout with :func:`flash.blockwise_attention`: prompts causally over themselves;
+    completion b = p*M + m over [prompt p's keys (slots 0..Tp-1) ++ its own (slots Tp..)], the prompt's keys
+    repeated per completion (their gradients sum back into the prompt)."""
+    P, Tp = mask.prompt_mask.shape
+    B, Tc = mask.completion_mask.shape
+    H, K, D = q.shape[2], k.shape[2], q.shape[3]
+    M, n = B // P, P * Tp
+    opts = dict(scale=scale, window=mask.window, softcap=softcap)
+    pslot, cslot = jnp.arange(Tp, dtype=jnp.int32), jnp.arange(Tp + Tc, dtype=jnp.int32)
+    pk, pv = (x[0, :n].reshape(P, Tp, K, D) for x in (k, v))
+    out_p = blockwise_attention(q[0, :n].reshape(P, Tp, H, D), pk, pv, pslot, pslot, mask.prompt_mask, **opts)
+    kc, vc = (jnp.concatenate([jnp.repeat(p, M, axis=0), x[0, n:].reshape(B, Tc, K, D)], axis=1)
+              for p, x in ((pk, k), (pv, v)))
+    valid = jnp.concatenate([jnp.repeat(mask.prompt_mask, M, axis=0), mask.completion_mask], axis=1)
+    out_c = blockwise_attention(q[0, n:].reshape(B, Tc, H, D), kc, vc, cslot[Tp:], cslot, valid, **opts)
+    return jnp.concatenate([out_p.reshape(n, H, D), out_c.reshape(B * Tc, H, D)], 0)[None]
 
 
 # Every score matmul below is a dot_general with batch dims (K, rows) leading and the queries' (T, g) as one
@@ -232,20 +311,20 @@ def _kv_heads_major(x, dtype):
     return x.transpose(2, 0, 1, 3).astype(dtype)
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, mask, scale, softcap=None):
     """q [B, T, H, D], k/v [B, S, K, D], mask bool[B, T, S] -> [B, T, H, D]; float32 scores and softmax."""
     B, T, H, D = q.shape
     K, S = k.shape[2], k.shape[1]
     g = H // K
     qh = q.reshape(B, T, K, g, D).transpose(2, 0, 1, 3, 4).reshape(K, B, T * g, D)
     s = jax.lax.dot_general(qh, _kv_heads_major(k, q.dtype), _QK, preferred_element_type=jnp.float32)
-    s = s.reshape(K, B, T, g, S) * scale + _bias(mask)[None, :, :, None, :]
+    s = _cap(s.reshape(K, B, T, g, S) * scale, softcap) + _bias(mask)[None, :, :, None, :]
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype).reshape(K, B, T * g, S)
     o = jax.lax.dot_general(p, _kv_heads_major(v, q.dtype), _PV).reshape(K, B, T, g, D)
     return o.transpose(1, 2, 0, 3, 4).reshape(B, T, H, D)
 
 
-def _attend_prefix(q, k, v, mask: PrefixMask, scale):
+def _attend_prefix(q, k, v, mask: PrefixMask, scale, softcap=None):
     """Attention of the prompt-shared layout (see PrefixMask): q [1, N, H, D], k, v [1, N, K, D].
 
     Prompts attend causally within themselves; completion b = p*M + m attends to prompt p's keys [K, P, Tp, D]
@@ -258,14 +337,15 @@ def _attend_prefix(q, k, v, mask: PrefixMask, scale):
     H, K, D = q.shape[2], k.shape[2], q.shape[3]
     M, g, n, dt = B // P, H // K, P * Tp, q.dtype
     out_p = _attend(q[0, :n].reshape(P, Tp, H, D), k[0, :n].reshape(P, Tp, K, D),
-                    v[0, :n].reshape(P, Tp, K, D), mask.prompt, scale)
+                    v[0, :n].reshape(P, Tp, K, D), mask.prompt, scale, softcap)
     qc = q[0, n:].reshape(P, M, Tc, K, g, D).transpose(3, 0, 1, 2, 4, 5)     # [K, P, M, Tc, g, D]
     pk, pv = (_kv_heads_major(x[0, :n].reshape(P, Tp, K, D), dt) for x in (k, v))
     kc, vc = (_kv_heads_major(x[0, n:].reshape(B, Tc, K, D), dt) for x in (k, v))
     sp = jax.lax.dot_general(qc.reshape(K, P, M * Tc * g, D), pk, _QK, preferred_element_type=jnp.float32)
-    sp = sp.reshape(K, P, M, Tc, g, Tp) * scale + _bias(mask.to_prompt)[None, :, :, :, None]
+    sp = _cap(sp.reshape(K, P, M, Tc, g, Tp) * scale, softcap) + _bias(mask.to_prompt)[None, :, :, :, None]
     sc = jax.lax.dot_general(qc.reshape(K, B, Tc * g, D), kc, _QK, preferred_element_type=jnp.float32)
-    sc = sc.reshape(K, P, M, Tc, g, Tc) * scale + _bias(mask.completion.reshape(P, M, Tc, Tc))[None, :, :, :, None]
+    sc = _cap(sc.reshape(K, P, M, Tc, g, Tc) * scale, softcap)
+    sc = sc + _bias(mask.completion.reshape(P, M, Tc, Tc))[None, :, :, :, None]
     # Each block's exponentials against its own max, weighted by exp(own max - common max) / normaliser on the
     # [., D] outputs: no score-sized divide, and each max reduces one block (with one joint max the pair of blocks
     # cost 2.5x the two done apart).
@@ -281,7 +361,7 @@ def _attend_prefix(q, k, v, mask: PrefixMask, scale):
     return jnp.concatenate([out_p.reshape(n, H, D), oc.reshape(B * Tc, H, D)], 0)[None]
 
 
-def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_index):
+def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_index, softcap=None):
     """One decode step (T = 1) over a SampleCache: each prompt's keys are read once for its G rows.
 
     q: [B, 1, H, D]; k, v: [B, 1, K, D] (written at generated slot ``gen_index`` of layer ``layer``);
@@ -290,7 +370,7 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     concatenated slots.
     """
     if cache.joint:
-        return _attend_joint(q, k, v, masks, scale, cache, layer, gen_index)
+        return _attend_joint(q, k, v, masks, scale, cache, layer, gen_index, softcap)
     B, T, H, D = q.shape
     P, K, Tp, _ = cache.pv[layer].shape
     G, g = B // P, H // K
@@ -299,9 +379,9 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     qb = q.reshape(B, K, g, D)
     qp = qb.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
     sp = jnp.einsum("pkqd,pkds->pkqs", qp, cache.pk[layer].astype(q.dtype), preferred_element_type=jnp.float32)
-    sp = sp * scale + _bias(pmask)[:, None, None, :]
+    sp = _cap(sp * scale, softcap) + _bias(pmask)[:, None, None, :]
     sg = jnp.einsum("bkqd,bkds->bkqs", qb, gk.astype(q.dtype), preferred_element_type=jnp.float32)
-    sg = sg * scale + _bias(gmask)[None, None, None, :]
+    sg = _cap(sg * scale, softcap) + _bias(gmask)[None, None, None, :]
     # One softmax over both blocks, merged on the small outputs (as in _attend_prefix): the prompt block's scores
     # stay prompt-major [P, K, G*g, Tp]; only its max, normaliser and [., D] output move to row order.
     mp, mg = sp.max(-1, keepdims=True), sg.max(-1, keepdims=True)
@@ -320,7 +400,7 @@ def _attend_shared(q, k, v, masks, scale, cache: SampleCache, layer: int, gen_in
     return o.astype(q.dtype).reshape(B, T, H, D), cache
 
 
-def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_index):
+def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_index, softcap=None):
     """One decode step over a joint SampleCache (G = 1): q [B, 1, H, D]; k, v [B, 1, K, D] written at slot
     Tp + ``gen_index``; mask bool[B, Tp + Lg]. One block: scores [B, K, g, S], one float32 softmax."""
     B, T, H, D = q.shape
@@ -328,7 +408,7 @@ def _attend_joint(q, k, v, mask, scale, cache: SampleCache, layer: int, gen_inde
     g = H // K
     cache, gk, gv = _write_step(cache, layer, k, v, cache.pmask.shape[1] + jnp.asarray(gen_index, jnp.int32))
     s = jnp.einsum("bkqd,bkds->bkqs", q.reshape(B, K, g, D), gk.astype(q.dtype), preferred_element_type=jnp.float32)
-    s = s * scale + _bias(mask)[:, None, None, :]
+    s = _cap(s * scale, softcap) + _bias(mask)[:, None, None, :]
     m = s.max(-1, keepdims=True)
     e = jnp.exp(s - m)
     o = jnp.einsum("bkqs,bksd->bkqd", e.astype(q.dtype), gv.astype(q.dtype), preferred_element_type=jnp.float32)

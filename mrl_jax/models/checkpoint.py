@@ -114,14 +114,17 @@ def _weight_files(path: Path) -> Dict[str, Path]:
     raise CheckpointError(f"{path}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
-def from_pretrained(path: PathLike, *, dtype=None, param_dtype=None) -> CausalLM:
+def from_pretrained(path: PathLike, *, dtype=None, param_dtype=None, remat: str = "none",
+                    attention: str = "auto") -> CausalLM:
     """Load a local HF checkpoint folder into an NNX model.
 
     param_dtype: storage dtype of the params (default float32, whatever the file's dtype); dtype: compute
-    dtype (default = param_dtype). Raises ``CheckpointError`` naming the file/tensor and the fix."""
+    dtype (default = param_dtype); remat, attention: ``ModelConfig`` fields (not in config.json).
+    Raises ``CheckpointError`` naming the file/tensor and the fix."""
     path = Path(path)
     hf = read_config(path)
     cfg = ModelConfig.from_hf(hf, dtype=dtype, param_dtype=param_dtype, source=str(path / "config.json"))
+    cfg = cfg.replace(remat=remat, attention=attention)
     files = _weight_files(path)
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)

@@ -31,6 +31,7 @@ _ARCHITECTURES = {
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu") + _TANH_GELUS
+REMAT_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
 class CheckpointError(ValueError):
@@ -84,6 +85,8 @@ class ModelConfig:
     bos/eos/pad_token_id: from config.json (eos may be a tuple, as in Llama 3 instruct).
     param_dtype: storage dtype of the parameters; dtype: compute dtype (activations, matmuls, KV cache).
       Softmax, norms' statistics and logits are always float32.
+    remat: per-decoder-layer rematerialisation of the differentiated forward (``layers.REMAT_POLICIES``);
+    attention: "auto" | "dense" | "blockwise" (``attention.attention``'s ``impl``). Neither is in config.json.
     """
 
     family: str
@@ -120,6 +123,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     param_dtype: str = "float32"
     dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -130,6 +135,10 @@ class ModelConfig:
         if self.layer_types is not None:
             set_("layer_types", tuple(self.layer_types))
         set_("eos_token_id", _tuple_or_int(self.eos_token_id))
+        if self.remat not in REMAT_NAMES:
+            raise ValueError(f"remat must be one of {REMAT_NAMES}, got {self.remat!r}")
+        if self.attention not in ("auto", "dense", "blockwise"):
+            raise ValueError(f"attention must be auto|dense|blockwise, got {self.attention!r}")
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"family must be 'llama' or 'gpt2', got {self.family!r}")
         if self.num_heads % self.num_kv_heads:

@@ -21,13 +21,14 @@ class GPT2Attention(nnx.Module):
         self.c_attn = Linear(d, 3 * d, use_bias=True, cfg=cfg, rngs=rngs)
         self.c_proj = Linear(d, d, use_bias=True, cfg=cfg, rngs=rngs)
         self.shape = (cfg.num_heads, cfg.head_dim)
+        self.impl = cfg.attention
 
     def __call__(self, x, positions, mask, *, cache, layer, cache_index):
         B, T = positions.shape   # x: [B*T, D] rows
         h, hd = self.shape
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
         q, k, v = (t.reshape(B, T, h, hd) for t in (q, k, v))
-        out, cache = attention(q, k, v, mask, scale=hd ** -0.5, cache=cache, layer=layer,
+        out, cache = attention(q, k, v, mask, scale=hd ** -0.5, cache=cache, layer=layer, impl=self.impl,
                                cache_index=cache_index)
         return self.c_proj(out.reshape(B * T, h * hd)), cache
 

@@ -7,10 +7,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import KVCache, PrefixMask, SampleCache, default_positions, make_mask
+from .attention import CausalMask, KVCache, PrefixMask, SampleCache, default_positions
 from .config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
+
+# ``ModelConfig.remat`` -> what a decoder layer keeps for the backward (None: everything, no remat).
+# "full" keeps only the layer's input (the layer is recomputed in the backward); "dots_saveable" keeps every
+# matmul output; "dots_with_no_batch_dims_saveable" keeps the projections' and MLP's outputs, not attention's.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def dense(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, preferred_element_type=None) -> jax.Array:
@@ -98,6 +108,25 @@ def activation(name: str):
     return lambda x: jax.nn.gelu(x, approximate=True)  # gelu_new / gelu_pytorch_tanh
 
 
+def _remat_scan(layers: list, policy, x, positions, mask, cache_index):
+    """x [N, D] through ``layers`` (one graphdef, one mask), cache-free, each under ``jax.checkpoint(policy)``.
+
+    Several layers run as a ``lax.scan`` over their stacked params: the backward recomputes a layer inside the
+    loop body, so what is kept between layers is x alone (a Python loop of checkpointed calls leaves the
+    recompute to XLA's scheduler, and XLA:CPU merges it with the forward: no saving)."""
+    graphdef = nnx.graphdef(layers[0])
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, positions, mask, cache=None, layer=0, cache_index=cache_index)[0]
+
+    body = jax.checkpoint(body, policy=policy)
+    states = [nnx.state(layer) for layer in layers]
+    if len(states) == 1:
+        return body(x, states[0])
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    return jax.lax.scan(lambda c, st: (body(c, st), None), x, stacked)[0]
+
+
 class CausalLM(nnx.Module):
     """Shared public API. Subclasses define ``embed(ids, positions)``, ``layers`` (nnx.List of blocks with
     ``__call__(x, positions, mask, cache, layer, cache_index) -> (x, cache)``, x the residual stream as rows
@@ -121,17 +150,32 @@ class CausalLM(nnx.Module):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
         if isinstance(cache, SampleCache):
             return {w: cache.step_masks(cache_index, w) for w in windows}
-        return {w: make_mask(kv_mask, cache_index, T, w) for w in windows}
+        return {w: CausalMask(kv_mask=kv_mask, offset=cache_index, num_queries=T, window=w) for w in windows}
+
+    def _layers(self, x, positions, masks: dict, cache, cache_index):
+        """Every decoder layer over the rows x [N, D]; layer i gets ``masks[layer_window(i)]``. Without a cache
+        and with ``config.remat`` set, runs of consecutive layers with one structure and one window go through
+        :func:`_remat_scan` (the sampler passes a cache: never rematerialised)."""
+        policy = REMAT_POLICIES[self.config.remat]
+        if cache is not None or policy is None:
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
+                                 cache_index=cache_index)
+            return x, cache
+        keys = [(nnx.graphdef(layer), self.config.layer_window(i)) for i, layer in enumerate(self.layers)]
+        start = 0
+        for i in range(1, len(keys) + 1):
+            if i == len(keys) or keys[i] != keys[start]:
+                x = _remat_scan(list(self.layers)[start:i], policy, x, positions, masks[keys[start][1]], cache_index)
+                start = i
+        return x, None
 
     def _run(self, input_ids, positions, kv_mask, cache: Optional[KVCache], cache_index):
         B, T = input_ids.shape
         # the residual stream as rows [B*T, D]: norms, projections and MLPs are 2-D (see ``dense``); only
         # attention sees [B, T, heads, head_dim]. Measured on CPU: the layer's gradient 1.4x faster.
         x = self.embed(input_ids, positions).reshape(B * T, -1)
-        masks = self._masks(kv_mask, cache_index, T, cache)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, masks[self.config.layer_window(i)], cache=cache, layer=i,
-                             cache_index=cache_index)
+        x, cache = self._layers(x, positions, self._masks(kv_mask, cache_index, T, cache), cache, cache_index)
         return self.final_norm(x).reshape(B, T, -1), cache
 
     # -- public API
@@ -171,8 +215,7 @@ class CausalLM(nnx.Module):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
         masks = {w: PrefixMask.build(pm, cm, w) for w in windows}
         x = self.embed(ids, pos).reshape(ids.shape[1], -1)
-        for i, layer in enumerate(self.layers):
-            x, _ = layer(x, pos, masks[self.config.layer_window(i)], cache=None, layer=i, cache_index=0)
+        x, _ = self._layers(x, pos, masks, None, 0)
         h = self.final_norm(x)
         return h[: P * Tp].reshape(P, Tp, -1)[:, -1], h[P * Tp:].reshape(B, Tc, -1)
 

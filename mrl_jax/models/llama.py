@@ -23,6 +23,7 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Linear(h * hd, d, use_bias=cfg.o_bias, cfg=cfg, rngs=rngs)
         self.shape = (h, k, hd)
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static, hashable
+        self.impl = cfg.attention
 
     def __call__(self, x, positions, mask, *, cache, layer, cache_index):
         B, T = positions.shape   # x: [B*T, D] rows
@@ -32,7 +33,7 @@ class LlamaAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, k, hd)
         cos, sin = rope_cos_sin(positions, jnp.asarray(self.inv_freq, jnp.float32))
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
-        out, cache = attention(q, kk, v, mask, scale=hd ** -0.5, cache=cache, layer=layer,
+        out, cache = attention(q, kk, v, mask, scale=hd ** -0.5, cache=cache, layer=layer, impl=self.impl,
                                cache_index=cache_index)
         return self.o_proj(out.reshape(B * T, h * hd)), cache
 

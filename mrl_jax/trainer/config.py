@@ -30,6 +30,9 @@ class ModelSpec:
     num_heads: int = field(4, help="tiny-init attention heads")
     num_kv_heads: int = field(2, help="tiny-init key/value heads (llama family; gpt2 uses num_heads)")
     dtype: Literal["float32", "bfloat16"] = field("float32", help="compute and parameter dtype")
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = field(
+        "full", help="per-layer rematerialisation in the update: full = keep only each layer's input (activation "
+        "memory linear in length and depth); none = keep everything (fastest, most memory)")
 
     def __post_init__(self):
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):

@@ -159,7 +159,7 @@ def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
     _check_model_dir(spec)
     if m.path is not None:
         try:
-            model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype)
+            model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype, remat=m.remat)
         except (OSError, ValueError) as e:  # models.CheckpointError is a ValueError naming the file
             raise ConfigError(f"config key 'policies.{spec.name}.model.path': {e}") from e
         try:
@@ -168,7 +168,7 @@ def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
             raise ConfigError(f"config key 'policies.{spec.name}.tokenizer.path': {e}") from e
         return model
     overrides = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                     dtype=m.dtype, param_dtype=m.dtype)
+                     dtype=m.dtype, param_dtype=m.dtype, remat=m.remat)
     if m.family != "gpt2":
         overrides["num_kv_heads"] = m.num_kv_heads
     return models.tiny_model(m.family, tokenizer.vocab_size, seed=seed, **overrides)

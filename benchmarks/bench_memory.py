@@ -1,0 +1,108 @@
+"""XLA's compiled memory analysis of the jitted GRPO update at real model shapes (nothing is allocated).
+
+The update (``learner.make_update_step``, probe ``none``, AdamW, bf16 params and compute, 16 rows = 2 prompts x
+G 8 in one micro-batch) is lowered on abstract params / optimizer state / batch and compiled; the figures are
+``compiled.memory_analysis()`` (bytes, load-independent). Three variants per shape:
+
+* ``none``: no rematerialisation, dense attention (one float32 [B, K, g, T, S] score array per layer);
+* ``remat``: every decoder layer under ``jax.checkpoint`` (``remat="full"``), dense attention;
+* ``remat+blockwise``: remat and ``models.flash`` blockwise attention (no T x S array, recomputing backward).
+
+    python benchmarks/bench_memory.py                       # 0.5B and 1.5B, 256+1024 and 256+4096
+    python benchmarks/bench_memory.py --models qwen2.5-0.5b --completions 1024 --variants remat+blockwise
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_memory.py --models llama-3.1-8b \\
+        --completions 1024 --variants remat+blockwise --fsdp 8      # per device, params/optimizer sharded
+
+Prints one JSON line per measurement: temp_gb (temporaries), args_gb, out_gb, alias_gb, total_gb =
+args + out + temp - alias (the step's peak estimate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mrl_jax import learner, see
+from mrl_jax.models.config import ModelConfig
+from mrl_jax.models.factory import abstract_model
+from mrl_jax.mwra import sharding
+
+SHAPES = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                         num_kv_heads=2, head_dim=64, intermediate_size=4864, tie_word_embeddings=True, qkv_bias=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                         num_kv_heads=2, head_dim=128, intermediate_size=8960, tie_word_embeddings=True,
+                         qkv_bias=True),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
+                         rope_theta=500000.0),
+}
+VARIANTS = {"none": ("none", "dense"), "remat": ("full", "dense"), "remat+blockwise": ("full", "blockwise")}
+_GB = 1e9
+
+
+def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> learner.Batch:
+    """A ``learner.Batch`` of ShapeDtypeStructs: P prompts of Tp tokens x G completions of Tc tokens."""
+    sd = jax.ShapeDtypeStruct
+    n = P * G
+    return learner.Batch(prompt_ids=sd((P, Tp), jnp.int32), prompt_mask=sd((P, Tp), jnp.bool_),
+                         completion_ids=sd((n, Tc), jnp.int32), completion_mask=sd((n, Tc), jnp.float32),
+                         old_logp=sd((n, Tc), jnp.float32), ref_logp=sd((n, Tc), jnp.float32),
+                         rewards=sd((n,), jnp.float32), truncated=sd((n,), jnp.bool_))
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_batch_size: int = 0,
+                  fsdp: int = 1) -> dict:
+    """memory_analysis() of the compiled update (bytes) for ``config`` on abstract inputs; fsdp > 1: params,
+    optimizer state and batch sharded over that many devices (figures per device)."""
+    graphdef, params = nnx.split(abstract_model(config))
+    opt = learner.make_optimizer(1e-6)
+    opt_state = jax.eval_shape(opt.init, params)
+    cfg = learner.GRPOConfig(num_generations=G, max_completion_length=Tc, beta=0.0)
+    update = learner.make_update_step(graphdef, opt, "none", cfg, micro_batch_size, donate=True)
+    batch = abstract_batch(P, G, Tp, Tc)
+    view = jax.eval_shape(lambda: see.empty_view(P, 1, Tc, 1, 1))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    if fsdp > 1:
+        mesh = jax.make_mesh((fsdp,), ("data",))
+        ps = sharding.param_shardings(params, mesh)
+        params, opt_state = _placed(params, ps), _placed(opt_state, sharding.opt_state_shardings(opt_state, ps, mesh))
+        batch = _placed(batch, jax.tree.map(lambda _: sharding.batch_sharding(mesh), batch))
+    mem = update.lower(params, opt_state, batch, view, key).compile().memory_analysis()
+    out = dict(temp=mem.temp_size_in_bytes, args=mem.argument_size_in_bytes, out=mem.output_size_in_bytes,
+               alias=mem.alias_size_in_bytes)
+    out["total"] = out["args"] + out["out"] + out["temp"] - out["alias"]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=sorted(SHAPES))
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--completions", nargs="+", type=int, default=[1024, 4096])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--fsdp", type=int, default=1)
+    a = ap.parse_args(argv)
+    for name in a.models:
+        for tc in a.completions:
+            for variant in a.variants:
+                remat, attn = VARIANTS[variant]
+                cfg = ModelConfig(family="llama", **SHAPES[name], dtype="bfloat16", param_dtype="bfloat16",
+                                  remat=remat, attention=attn)
+                m = update_memory(cfg, a.prompts, a.generations, a.prompt, tc, fsdp=a.fsdp)
+                print(json.dumps(dict(model=name, tokens=f"{a.prompt}+{tc}", rows=a.prompts * a.generations,
+                                      variant=variant, fsdp=a.fsdp,
+                                      **{k + "_gb": round(v / _GB, 2) for k, v in m.items()})), flush=True)
+
+
+if __name__ == "__main__":
+    main()
