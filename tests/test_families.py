@@ -201,4 +201,4 @@ def test_tiny_init_policies_of_the_new_families(family):
     assert (cfg.model_type, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (family, 3, 1, tok.vocab_size)
     if family == "gemma3_text":
         assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg.replace(remat="none")   # remat is a run option, not HF's
