@@ -82,6 +82,40 @@ def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_b
     return out
 
 
+def rows(models, completions, variants, prompt: int = 256, prompts: int = 2, generations: int = 8,
+         fsdp: int = 1, shapes=SHAPES) -> list[dict]:
+    """One record per (model, completion length, variant): the update's compiled memory in GB."""
+    out = []
+    for name in models:
+        for tc in completions:
+            for variant in variants:
+                remat, attn = VARIANTS[variant]
+                cfg = ModelConfig(family="llama", **shapes[name], dtype="bfloat16", param_dtype="bfloat16",
+                                  remat=remat, attention=attn)
+                m = update_memory(cfg, prompts, generations, prompt, tc, fsdp=fsdp)
+                out.append(dict(model=name, tokens=f"{prompt}+{tc}", rows=prompts * generations, variant=variant,
+                                fsdp=fsdp, **{k + "_gb": round(v / _GB, 3) for k, v in m.items()}))
+    return out
+
+
+TINY = {"tiny": dict(model_type="qwen2", vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=32, intermediate_size=512, tie_word_embeddings=True, qkv_bias=True)}
+
+
+def run(quick: bool = False) -> dict:
+    """``mrl bench``: the Qwen2.5-0.5B rows of RESULTS section 8 (quick: a 4-layer d128 model at 256 + 256 and
+    256 + 1024 tokens, none vs remat+blockwise), with the temporaries' growth over the token range per variant."""
+    if quick:
+        recs = rows(["tiny"], [256, 1024], ["none", "remat+blockwise"], shapes=TINY)
+    else:
+        recs = rows(["qwen2.5-0.5b"], [1024, 4096], ["remat+blockwise"])
+    growth = {}
+    for variant in {r["variant"] for r in recs}:
+        temps = [r["temp_gb"] for r in recs if r["variant"] == variant]
+        growth[variant] = round(temps[-1] / temps[0], 2)
+    return {"rows": recs, "temp_growth": growth}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=sorted(SHAPES))
@@ -95,13 +129,8 @@ def main(argv=None):
     for name in a.models:
         for tc in a.completions:
             for variant in a.variants:
-                remat, attn = VARIANTS[variant]
-                cfg = ModelConfig(family="llama", **SHAPES[name], dtype="bfloat16", param_dtype="bfloat16",
-                                  remat=remat, attention=attn)
-                m = update_memory(cfg, a.prompts, a.generations, a.prompt, tc, fsdp=a.fsdp)
-                print(json.dumps(dict(model=name, tokens=f"{a.prompt}+{tc}", rows=a.prompts * a.generations,
-                                      variant=variant, fsdp=a.fsdp,
-                                      **{k + "_gb": round(v / _GB, 2) for k, v in m.items()})), flush=True)
+                for rec in rows([name], [tc], [variant], a.prompt, a.prompts, a.generations, a.fsdp):
+                    print(json.dumps(rec), flush=True)
 
 
 if __name__ == "__main__":

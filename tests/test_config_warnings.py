@@ -41,13 +41,22 @@ def test_no_eos_and_no_stop_tokens_warns_once(capsys):
     assert _warnings(capsys.readouterr().err) == []
 
 
-@pytest.mark.parametrize("name, eot, warned", [("phi-3-mini", "<|end|>", True), ("smollm2-135m", "<|im_end|>", False)])
-def test_chat_end_of_turn_outside_the_stop_set_warns(shared_tokenizers_dir, capsys, name, eot, warned):
+@pytest.mark.parametrize("name, eot", [("phi-3-mini", "<|end|>"), ("smollm2-135m", "<|im_end|>")])
+@pytest.mark.parametrize("known", [True, False], ids=["known-turn-end", "unknown-turn-end"])
+def test_chat_end_of_turn_outside_the_stop_set_warns(shared_tokenizers_dir, capsys, monkeypatch, name, eot, known):
+    """A chat policy stops at its template's turn end when it is one of ``chat.TURN_END_TOKENS`` (Phi-3's
+    ``<|end|>`` has no generation_config to name it); a turn end outside that list and the stop set is one
+    warning line whose advice, followed, silences it."""
+    from mrl_jax import chat
+
+    if not known:
+        monkeypatch.setattr(chat, "TURN_END_TOKENS", ())
     folder = shared_tokenizers_dir / name
     tok = load_tokenizer(folder)
     spec = {"name": "c", "model": TINY, "tokenizer": {"path": str(folder)}, "prompt_format": "chat"}
     pol = _policy(spec, tok)
     assert pol.prompt_format.chat.end_of_turn() == eot
+    warned = not known and tok.token_to_id(eot) != tok.eos_id   # SmolLM2's turn end is its EOS
     assert (tok.token_to_id(eot) in pol.sampling.eos_ids) != warned
     lines = _warnings(capsys.readouterr().err)
     assert len(lines) == int(warned)

@@ -1,7 +1,6 @@
 """LoRA policies (mrl_jax.models.lora on nnx.LoRA): PEFT parity, merge, frozen base, KL reference = base with the
 adapters off, config errors, and the trainable-parameter / compiled-update memory figure (rank 8 vs full FT)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +150,7 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[1]), jax.tree.leaves(f2)))
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[0]), jax.tree.leaves(a2)))
     # the same step as full fine-tuning of the merged model, with the plain base as its reference: same KL
-    grpo_cfg = dataclasses.replace(cfg.policies[0].grpo, num_generations=2, max_completion_length=3)
+    grpo_cfg = cfg.policies[0].grpo.resolved(2, 3, cfg.policies[0].sampling.temperature)
     ref = make_logp_fn(base_state[0], grpo_cfg)(base_state[1], batch)
     full = make_update_step(g, make_optimizer(1e-3), "none", grpo_cfg, donate=False)
     _, _, m_full = full(p, make_optimizer(1e-3).init(p), batch.replace(ref_logp=ref), view, jax.random.key(0))
@@ -168,7 +167,7 @@ def _update_figures(rank: int) -> tuple[int, dict]:
     pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
     st = pol.init_state(params)
     batch, view = _batch(512), see.empty_view(2, 1, 3, 3, 1)
-    grpo_cfg = dataclasses.replace(cfg.policies[0].grpo, num_generations=2, max_completion_length=3)
+    grpo_cfg = cfg.policies[0].grpo.resolved(2, 3, cfg.policies[0].sampling.temperature)
     if rank:
         adapters, frozen = lora_lib.split_adapters(st.params)
         g = nnx.split(nnx.merge(pol.graphdef, st.params), nnx.LoRAParam, ...)[0]
