@@ -245,7 +245,7 @@ def test_jit_for_mesh_and_dispatch_all():
 @pytest.fixture
 def clean_env(monkeypatch):
     for names in (mwra.distributed.ENV_COORDINATOR, mwra.distributed.ENV_NUM_PROCESSES,
-                  mwra.distributed.ENV_PROCESS_ID):
+                  mwra.distributed.ENV_PROCESS_ID, mwra.distributed.ENV_HEARTBEAT):
         for n in names:
             monkeypatch.delenv(n, raising=False)
     monkeypatch.delenv("MRL_DISTRIBUTED_AUTO", raising=False)
@@ -273,6 +273,24 @@ def test_initialize_distributed_validation(clean_env):
     clean_env.setenv("MRL_PROCESS_ID", "1")
     with pytest.raises(ValueError, match="only process has id 0"):
         mwra.initialize_distributed(num_processes=1)
+
+
+def test_heartbeat_timeout_reaches_jax(clean_env):
+    """The lost-process timeout (docs/multihost.md) from the argument or $MRL_HEARTBEAT_TIMEOUT_S reaches
+    ``jax.distributed.initialize``; unset, JAX's own default stands; a bad value names the variable."""
+    calls = []
+    clean_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    clean_env.setattr(jax, "process_index", lambda: 0)
+    clean_env.setattr(jax, "process_count", lambda: 2)
+    mwra.initialize_distributed("localhost:1234", 2, 0)
+    clean_env.setenv("MRL_HEARTBEAT_TIMEOUT_S", "30")
+    mwra.initialize_distributed("localhost:1234", 2, 0)
+    mwra.initialize_distributed("localhost:1234", 2, 0, heartbeat_timeout_s=12)
+    assert ["heartbeat_timeout_seconds" in c for c in calls] == [False, True, True]
+    assert [c.get("heartbeat_timeout_seconds") for c in calls[1:]] == [30, 12]
+    clean_env.setenv("MRL_HEARTBEAT_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match=r"MRL_HEARTBEAT_TIMEOUT_S"):
+        mwra.initialize_distributed("localhost:1234", 2, 0)
 
 
 # ---------------------------------------------------------------- subprocesses with forced CPU devices

@@ -9,6 +9,7 @@ import jax
 ENV_COORDINATOR = ("MRL_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = ("MRL_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 ENV_PROCESS_ID = ("MRL_PROCESS_ID", "JAX_PROCESS_ID")
+ENV_HEARTBEAT = ("MRL_HEARTBEAT_TIMEOUT_S",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ def _int(value, label: str, env: tuple[str, ...]) -> int | None:
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *, auto_detect: bool | None = None,
-                           local_device_ids=None, initialization_timeout: int = 300) -> DistributedInfo:
+                           local_device_ids=None, initialization_timeout: int = 300,
+                           heartbeat_timeout_s: int | None = None) -> DistributedInfo:
     """Join the processes of one run (one process per host) before any other JAX call.
 
     Each argument falls back to the environment: ``MRL_COORDINATOR`` / ``JAX_COORDINATOR_ADDRESS``
@@ -46,6 +48,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     ``JAX_PROCESS_ID``. With one process (nothing set, or ``num_processes=1``) it is a no-op. With
     ``auto_detect=True`` (default: ``$MRL_DISTRIBUTED_AUTO`` is 1/true) and nothing set, JAX's own cluster
     detection (SLURM, Open MPI, Cloud TPU pods, ...) decides.
+    ``heartbeat_timeout_s`` (else ``$MRL_HEARTBEAT_TIMEOUT_S``, else JAX's default, 100 s): how long the others
+    wait for a process that stopped answering before they abort (docs/multihost.md, "When a process dies").
     Calling it again after a successful start returns the running state. Afterwards ``jax.devices()`` is the
     global device list, and `allocate` / `plan` spread policies over every host's devices.
     """
@@ -77,6 +81,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if missing:
         raise ValueError(f"multi-process start needs {', '.join(missing)}: set all three on every host "
                          "(same coordinator host:port and count everywhere; ids 0..num_processes-1)")
+    heartbeat = _int(heartbeat_timeout_s if heartbeat_timeout_s is not None else _env(ENV_HEARTBEAT),
+                     "heartbeat_timeout_s", ENV_HEARTBEAT)
+    if heartbeat is not None and heartbeat < 1:
+        raise ValueError(f"heartbeat_timeout_s={heartbeat}: must be >= 1 second ($MRL_HEARTBEAT_TIMEOUT_S)")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} out of range for num_processes={num_processes}: "
                          f"use 0..{num_processes - 1}, a different one on each host")
@@ -88,7 +96,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:
         pass
+    extra = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout)
+                               initialization_timeout=initialization_timeout, **extra)
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
