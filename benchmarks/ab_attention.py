@@ -114,9 +114,10 @@ def _update_case(attention, old) -> dict:
     import numpy as np
 
     from mrl_jax import learner, see
+    from mrl_jax.rows import own_rows
     graphdef, params = _model()
     rs, rows = np.random.RandomState(0), P * M
-    batch = learner.Batch(
+    batch = own_rows(
         prompt_ids=jnp.asarray(rs.randint(3, V, (P, TP)), jnp.int32), prompt_mask=jnp.ones((P, TP), bool),
         completion_ids=jnp.asarray(rs.randint(3, V, (rows, TC)), jnp.int32),
         completion_mask=jnp.asarray(np.arange(TC)[None] < rs.randint(TC // 2, TC + 1, (rows, 1)), jnp.float32),

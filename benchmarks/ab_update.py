@@ -23,13 +23,14 @@ from flax import nnx
 import mrl_jax
 from mrl_jax import learner, see
 from mrl_jax.models import tiny_model
+from mrl_jax.rows import own_rows
 P, G, Tp, Tc, V, K = 8, 8, 16, 32, 512, 4
 model = tiny_model("qwen2", V, hidden_size=128, num_layers=4, intermediate_size=384, num_heads=4, num_kv_heads=2)
 graphdef, params = nnx.split(model)
 rs = np.random.RandomState(0)
 n = P * G
 lens = rs.randint(Tc // 2, Tc + 1, n)
-batch = learner.Batch(prompt_ids=jnp.asarray(rs.randint(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
+batch = own_rows(prompt_ids=jnp.asarray(rs.randint(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
     completion_ids=jnp.asarray(rs.randint(3, V, (n, Tc)), jnp.int32),
     completion_mask=jnp.asarray(np.arange(Tc)[None] < lens[:, None], jnp.float32),
     old_logp=jnp.asarray(rs.uniform(-7, -5, (n, Tc)), jnp.float32), ref_logp=jnp.zeros((n, Tc)),
@@ -38,8 +39,8 @@ S = P * K
 kind = np.full(S, see.EMPTY, np.int32); kind[::K] = see.PEER          # one filled slot per prompt
 pm = np.zeros((S, Tc), np.float32); pm[::K, :20] = 1
 stats = np.zeros((P, 2, 4), np.float32); stats[:, 1] = [G, G / 2, G / 2, G / 2]
-sview = see.empty_view(P, K, Tc, Tc, 2).replace(ids=jnp.asarray(rs.randint(3, V, (S, Tc)), jnp.int32),
-    mask=jnp.asarray(pm), kind=jnp.asarray(kind), dst_chunk=jnp.asarray(np.where(pm > 0, np.arange(Tc)[None], -1), jnp.int32),
+sview = see.empty_view(P, K, Tc, Tc, 2).replace(completion_ids=jnp.asarray(rs.randint(3, V, (S, Tc)), jnp.int32),
+    completion_mask=jnp.asarray(pm), row_kind=jnp.asarray(kind), dst_chunk=jnp.asarray(np.where(pm > 0, np.arange(Tc)[None], -1), jnp.int32),
     chunk_valid=jnp.asarray(pm > 0), src_chunk_logp=jnp.asarray(pm * -0.1), rewards=jnp.asarray((kind == see.PEER).astype(np.float32)),
     source=jnp.asarray(np.where(kind == see.PEER, 1, -1), jnp.int32), peer_stats=jnp.asarray(stats))
 cfg = learner.GRPOConfig(num_generations=G, max_completion_length=Tc, beta=0.0, loss_type="grpo")

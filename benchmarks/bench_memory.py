@@ -29,6 +29,7 @@ from mrl_jax import learner, see
 from mrl_jax.models.config import ModelConfig
 from mrl_jax.models.factory import abstract_model
 from mrl_jax.mwra import sharding
+from mrl_jax.rows import Rows, own_rows
 
 SHAPES = {
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
@@ -44,14 +45,13 @@ VARIANTS = {"none": ("none", "dense"), "remat": ("full", "dense"), "remat+blockw
 _GB = 1e9
 
 
-def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> learner.Batch:
-    """A ``learner.Batch`` of ShapeDtypeStructs: P prompts of Tp tokens x G completions of Tc tokens."""
-    sd = jax.ShapeDtypeStruct
+def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> Rows:
+    """The own ``Rows`` of P prompts of Tp tokens x G completions of Tc tokens, as ShapeDtypeStructs."""
+    sd = lambda shape, dtype: jnp.zeros(shape, dtype)
     n = P * G
-    return learner.Batch(prompt_ids=sd((P, Tp), jnp.int32), prompt_mask=sd((P, Tp), jnp.bool_),
-                         completion_ids=sd((n, Tc), jnp.int32), completion_mask=sd((n, Tc), jnp.float32),
-                         old_logp=sd((n, Tc), jnp.float32), ref_logp=sd((n, Tc), jnp.float32),
-                         rewards=sd((n,), jnp.float32), truncated=sd((n,), jnp.bool_))
+    return jax.eval_shape(lambda: own_rows(sd((P, Tp), jnp.int32), sd((P, Tp), jnp.bool_), sd((n, Tc), jnp.int32),
+                                           sd((n, Tc), jnp.float32), sd((n, Tc), jnp.float32),
+                                           sd((n, Tc), jnp.float32), sd((n,), jnp.float32), sd((n,), jnp.bool_)))
 
 
 def _placed(tree, shardings):
@@ -74,7 +74,8 @@ def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_b
         mesh = jax.make_mesh((fsdp,), ("data",))
         ps = sharding.param_shardings(params, mesh)
         params, opt_state = _placed(params, ps), _placed(opt_state, sharding.opt_state_shardings(opt_state, ps, mesh))
-        batch = _placed(batch, jax.tree.map(lambda _: sharding.batch_sharding(mesh), batch))
+        rep = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
+        batch = _placed(batch, jax.tree.map(lambda x: sharding.batch_sharding(mesh) if x.ndim else rep, batch))
     mem = update.lower(params, opt_state, batch, view, key).compile().memory_analysis()
     out = dict(temp=mem.temp_size_in_bytes, args=mem.argument_size_in_bytes, out=mem.output_size_in_bytes,
                alias=mem.alias_size_in_bytes)

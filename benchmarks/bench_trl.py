@@ -18,7 +18,7 @@ One step = rollout (sampling) + decode + reward + update (log-prob forward, back
   ``generation_batch_size=64`` -> one generation per optimizer step, ``gradient_accumulation_steps=1``).
   Step time = interval between consecutive ``on_step_end`` callbacks (so data loading, generation, reward,
   loss and optimizer are all inside).
-- ours: ``mrl_jax.rollout.generate`` (jitted, KV cache) -> host decode + reward -> ``learner.Batch`` ->
+- ours: ``mrl_jax.rollout.generate`` (jitted, KV cache) -> host decode + reward -> ``rows.own_rows`` ->
   ``learner.make_update_step`` (one jitted update, probe "none", one policy), timed per step with
   ``block_until_ready`` on the new params (wall clock of the whole Python step).
 
@@ -166,6 +166,7 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int, shape: dict, prom
     from flax import nnx
 
     from mrl_jax import learner, rollout, see
+    from mrl_jax.rows import own_rows
     from mrl_jax.models import from_pretrained
 
     P, G, NEW_TOKENS = shape["P"], shape["G"], shape["new_tokens"]
@@ -197,7 +198,7 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int, shape: dict, prom
         t1 = time.perf_counter()
         texts = hf_tok.batch_decode([t[m].tolist() for t, m in zip(tokens, mask)], skip_special_tokens=True)
         rewards = np.asarray(reward_fraction(texts), np.float32)
-        batch = learner.Batch(
+        batch = own_rows(
             prompt_ids=jnp.asarray(p_ids), prompt_mask=jnp.asarray(p_mask), completion_ids=roll.tokens,
             completion_mask=roll.mask.astype(jnp.float32), old_logp=roll.logprobs,
             ref_logp=jnp.zeros_like(roll.logprobs), rewards=jnp.asarray(rewards), truncated=roll.truncated)

@@ -28,13 +28,13 @@ def _inputs(c: dict, seed: int = 0):
     import jax.numpy as jnp
 
     from mrl_jax import see
-    from mrl_jax.learner import Batch
+    from mrl_jax.rows import own_rows
 
     rs = np.random.RandomState(seed)
     P, G, K, Tp, Tc, V = c["P"], c["G"], c["K"], c["Tp"], c["Tc"], c["vocab"]
     n, S = P * G, P * K
     lens = rs.randint(Tc // 2, Tc + 1, n)
-    batch = Batch(prompt_ids=jnp.asarray(rs.randint(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
+    batch = own_rows(prompt_ids=jnp.asarray(rs.randint(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
                   completion_ids=jnp.asarray(rs.randint(3, V, (n, Tc)), jnp.int32),
                   completion_mask=jnp.asarray(np.arange(Tc)[None] < lens[:, None], jnp.float32),
                   old_logp=jnp.asarray(rs.uniform(-7, -5, (n, Tc)), jnp.float32), ref_logp=jnp.zeros((n, Tc)),
@@ -44,11 +44,11 @@ def _inputs(c: dict, seed: int = 0):
     stats = np.zeros((P, 2, 4), np.float32)
     stats[:, 1] = [G, G / 2, G / 2, G / 2]
     view = see.empty_view(P, K, Tc, Tc, 2).replace(
-        ids=jnp.asarray(rs.randint(3, V, (S, Tc)), jnp.int32), mask=jnp.asarray(pm, jnp.float32),
+        completion_ids=jnp.asarray(rs.randint(3, V, (S, Tc)), jnp.int32), completion_mask=jnp.asarray(pm, jnp.float32),
         dst_chunk=jnp.asarray(np.where(pm, np.arange(Tc)[None], -1), jnp.int32),
         src_chunk_logp=jnp.asarray(rs.uniform(-7, -5, (S, Tc)) * pm, jnp.float32),
         chunk_valid=jnp.asarray(pm & (rs.rand(S, Tc) > 0.1)), rewards=jnp.asarray(rs.rand(S) < 0.5, jnp.float32),
-        source=jnp.ones((S,), jnp.int32), kind=jnp.full((S,), see.PEER, jnp.int32),
+        source=jnp.ones((S,), jnp.int32), row_kind=jnp.full((S,), see.PEER, jnp.int32),
         peer_stats=jnp.asarray(stats))
     return batch, view
 

@@ -18,13 +18,14 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mrl_jax import see  # noqa: E402
-from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn  # noqa: E402
+from mrl_jax.learner import GRPOConfig, make_grad_fn  # noqa: E402
+from mrl_jax.rows import Rows, own_rows  # noqa: E402
 from mrl_jax.models import tiny_model  # noqa: E402
 
 
-def _batch(P=2, G=4, T=4) -> Batch:
+def _batch(P=2, G=4, T=4) -> Rows:
     rng = np.random.default_rng(0)
-    return Batch(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 3)), jnp.int32), prompt_mask=jnp.ones((P, 3), bool),
+    return own_rows(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 3)), jnp.int32), prompt_mask=jnp.ones((P, 3), bool),
                  completion_ids=jnp.asarray(rng.integers(1, 40, (P * G, T)), jnp.int32),
                  completion_mask=jnp.ones((P * G, T), jnp.float32), old_logp=jnp.full((P * G, T), -3.7),
                  ref_logp=jnp.full((P * G, T), -3.6), rewards=jnp.asarray(rng.random(P * G), jnp.float32),

@@ -323,7 +323,8 @@ def _update_mfu(ctx: Context, rows: int, tp: int, tc: int, graphdef, memory: boo
     import jax.numpy as jnp
 
     from mrl_jax import see
-    from mrl_jax.learner import Batch, GRPOConfig, make_optimizer, make_update_step
+    from mrl_jax.learner import GRPOConfig, make_optimizer, make_update_step
+    from mrl_jax.rows import own_rows
 
     m = ctx.shape["model"]
     n = 4096 if not ctx.tiny else 256
@@ -336,7 +337,7 @@ def _update_mfu(ctx: Context, rows: int, tp: int, tc: int, graphdef, memory: boo
     update = make_update_step(graphdef, opt, "none", cfg)
     P = rows // cfg.num_generations
     key = jax.random.PRNGKey(0)
-    batch = Batch(prompt_ids=jax.random.randint(key, (P, tp), 0, m["vocab_size"], jnp.int32),
+    batch = own_rows(prompt_ids=jax.random.randint(key, (P, tp), 0, m["vocab_size"], jnp.int32),
                   prompt_mask=jnp.ones((P, tp), bool),
                   completion_ids=jax.random.randint(key, (rows, tc), 0, m["vocab_size"], jnp.int32),
                   completion_mask=jnp.ones((rows, tc), jnp.float32), old_logp=jnp.full((rows, tc), -5.0),

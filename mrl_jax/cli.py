@@ -116,6 +116,89 @@ def _write_summary(out: Path, summary: dict) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
 
+def _demo(args) -> dict:
+    from mrl_jax.demo import run_demo
+
+    probes = args.probes.split(",") if args.probes else None
+    return run_demo(args.out, quick=args.quick, num_seeds=args.seeds, probes=probes)
+
+
+def _train(args) -> dict:
+    from mrl_jax.trainer import train_from_yaml
+
+    return train_from_yaml(args.config, args.out, resume=args.resume, coordinator=args.coordinator,
+                           num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _eval(args) -> dict:
+    if args.model is not None:
+        from mrl_jax.export import evaluate_exported
+
+        return evaluate_exported(args.config, args.model, args.policy)
+    from mrl_jax.trainer import evaluate_from_yaml
+
+    return evaluate_from_yaml(args.config, args.run or args.out, samples=args.samples, temperature=args.temperature)
+
+
+def _export(args) -> int:
+    from mrl_jax.export import export_policy
+
+    summary = export_policy(args.run, args.policy, args.out, checkpoint=args.checkpoint, merge_lora=args.merge_lora,
+                            force=args.force)
+    print(json.dumps(summary, indent=2))  # no summary.json: --out is the model directory
+    return 0
+
+
+def _bandit(args) -> dict:
+    from mrl_jax.bandit import run as run_bandit
+
+    return run_bandit(str(args.out), quick=args.quick, seed=args.seed)
+
+
+def _bench(args) -> dict:
+    from mrl_jax.bench import run_benchmarks
+
+    only = args.only.split(",") if args.only else None
+    return run_benchmarks(args.out, quick=args.quick, only=only, wait_idle_s=args.wait_idle, idle_load=args.idle_load)
+
+
+def _report(args) -> dict | int:
+    from mrl_jax.report import write_report
+
+    if args.out.resolve() == args.run.resolve():
+        print("mrl report: --out must not be the run directory (its summary.json would be replaced)", file=sys.stderr)
+        return 2
+    return write_report(args.run, args.out)
+
+
+def _config_help(args) -> int:
+    from mrl_jax.configs import describe
+    from mrl_jax.trainer.config import RunConfig
+
+    print("\n".join(describe(RunConfig)))
+    return 0
+
+
+# each verb returns its summary (written to --out/summary.json) or an exit code (nothing written)
+VERBS = {"demo": _demo, "train": _train, "eval": _eval, "export": _export, "bandit": _bandit, "bench": _bench,
+         "report": _report, "config-help": _config_help}
+
+
+def _failure(verb: str, e: Exception) -> int:
+    """The one line and exit code of an expected failure: 2 = bad input (config, files), 3 = a run stopped."""
+    from mrl_jax.configs import ConfigError
+    from mrl_jax.tasks import JsonlFormatError, RewardFailure
+    from mrl_jax.trainer.loop import TrainingStopped
+
+    if isinstance(e, (TrainingStopped, RewardFailure)):
+        print(f"mrl {verb}: run stopped: {e}", file=sys.stderr)
+        return 3
+    kind = ("config error: " if isinstance(e, ConfigError) else
+            "task file error: " if isinstance(e, JsonlFormatError) else "")
+    print(f"mrl {verb}: {kind}{e}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verb != "config-help":  # before any compile: later runs load compiled programs from disk
@@ -123,80 +206,21 @@ def main(argv: list[str] | None = None) -> int:
 
         enable_compile_cache(disabled=args.no_compile_cache)
     from mrl_jax.configs import ConfigError
+    from mrl_jax.export import ExportError
     from mrl_jax.models import CheckpointError as ModelFileError
+    from mrl_jax.models.lora import LoRAError
     from mrl_jax.tasks import JsonlFormatError, RewardFailure
     from mrl_jax.trainer.checkpoint import CheckpointError
     from mrl_jax.trainer.loop import TrainingStopped
 
+    expected = (ConfigError, CheckpointError, ModelFileError, FileNotFoundError, JsonlFormatError, ExportError,
+                LoRAError, TrainingStopped, RewardFailure)
     try:
-        if args.verb == "demo":
-            from mrl_jax.demo import run_demo
-
-            probes = args.probes.split(",") if args.probes else None
-            summary = run_demo(args.out, quick=args.quick, num_seeds=args.seeds, probes=probes)
-        elif args.verb == "train":
-            from mrl_jax.trainer import train_from_yaml
-
-            summary = train_from_yaml(args.config, args.out, resume=args.resume, coordinator=args.coordinator,
-                                      num_processes=args.num_processes, process_id=args.process_id)
-        elif args.verb == "eval":
-            from mrl_jax.trainer import evaluate_from_yaml
-
-            if args.model is not None:
-                from mrl_jax.export import evaluate_exported
-
-                summary = evaluate_exported(args.config, args.model, args.policy)
-            else:
-                summary = evaluate_from_yaml(args.config, args.run or args.out, samples=args.samples,
-                                             temperature=args.temperature)
-        elif args.verb == "export":
-            from mrl_jax.export import export_policy
-
-            summary = export_policy(args.run, args.policy, args.out, checkpoint=args.checkpoint,
-                                    merge_lora=args.merge_lora, force=args.force)
-            print(json.dumps(summary, indent=2))  # no summary.json: --out is the model directory
-            return 0
-        elif args.verb == "bandit":
-            from mrl_jax.bandit import run as run_bandit
-
-            summary = run_bandit(str(args.out), quick=args.quick, seed=args.seed)
-        elif args.verb == "bench":
-            from mrl_jax.bench import run_benchmarks
-
-            only = args.only.split(",") if args.only else None
-            summary = run_benchmarks(args.out, quick=args.quick, only=only, wait_idle_s=args.wait_idle,
-                                     idle_load=args.idle_load)
-        elif args.verb == "report":
-            from mrl_jax.report import write_report
-
-            if args.out.resolve() == args.run.resolve():
-                print("mrl report: --out must not be the run directory (its summary.json would be replaced)",
-                      file=sys.stderr)
-                return 2
-            summary = write_report(args.run, args.out)
-        else:  # config-help
-            from mrl_jax.configs import describe
-            from mrl_jax.trainer.config import RunConfig
-
-            print("\n".join(describe(RunConfig)))
-            return 0
-    except ConfigError as e:
-        print(f"mrl {args.verb}: config error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, ModelFileError, FileNotFoundError) as e:
-        print(f"mrl {args.verb}: {e}", file=sys.stderr)
-        return 2
-    except JsonlFormatError as e:  # a bad task file: one line naming path:line
-        print(f"mrl {args.verb}: task file error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # mrl_jax.export.ExportError, models.lora.LoRAError: one line naming path/key + fix
-        if type(e).__name__ not in ("ExportError", "LoRAError"):
-            raise
-        print(f"mrl {args.verb}: {e}", file=sys.stderr)
-        return 2
-    except (TrainingStopped, RewardFailure) as e:
-        print(f"mrl {args.verb}: run stopped: {e}", file=sys.stderr)
-        return 3
+        summary = VERBS[args.verb](args)
+    except expected as e:
+        return _failure(args.verb, e)
+    if isinstance(summary, int):
+        return summary
     _write_summary(args.out, summary)
     print(f"wrote {args.out / 'summary.json'}")
     return 0

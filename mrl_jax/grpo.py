@@ -27,9 +27,12 @@ import jax.numpy as jnp
 SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 IS_LEVELS = ("token", "sequence")
+# the columns of a group's sufficient statistics f32[..., 4] (SEE's GroupStats, ``pooled_advantages_from_stats``)
+STAT_COUNT, STAT_REWARD_SUM, STAT_REWARD_SQ_SUM, STAT_SUCCESSES = 0, 1, 2, 3
 
 
-def _norm_scale(scale) -> str:
+def normalize_scale(scale) -> str:
+    """A ``scale_rewards`` value as one of ``SCALES`` (True = group, False / None = none)."""
     if scale is True:
         return "group"
     if scale is False or scale is None:
@@ -98,13 +101,6 @@ def chunked_token_logprobs(hidden: jax.Array, head_fn: Callable[[jax.Array], jax
     return chunked_token_stats(hidden, head_fn, targets, chunk_size)[0]
 
 
-def chunked_token_entropy(hidden, head_fn, targets_or_none=None, chunk_size: int = 128) -> jax.Array:
-    """Entropy per position f32[B, T], chunked like chunked_token_logprobs."""
-    B, T = hidden.shape[:2]
-    t = jnp.zeros((B, T), jnp.int32) if targets_or_none is None else targets_or_none
-    return chunked_token_stats(hidden, head_fn, t, chunk_size)[1]
-
-
 # ----------------------------------------------------------------------------- advantages
 
 def _unbiased_std(x, w, axis):
@@ -118,6 +114,16 @@ def _unbiased_std(x, w, axis):
     return mean, jnp.where(ok, jnp.sqrt(jnp.maximum(ss, 0.0) / jnp.where(ok, den, 1.0)), 0.0)
 
 
+def _scaled(centered: jax.Array, scale: str, eps: float, group_std: jax.Array, batch_std: Callable) -> jax.Array:
+    """The advantage scaling of every estimator: centered / (std + eps) with the group's std ("group") or the
+    batch's (``batch_std()``, "batch"), or centered as it is ("none", Dr. GRPO)."""
+    if scale == "group":
+        return centered / (group_std + eps)
+    if scale == "batch":
+        return centered / (batch_std() + eps)
+    return centered
+
+
 def group_advantages(rewards: jax.Array, scale="group", eps: float = 1e-4,
                      mask: Optional[jax.Array] = None) -> jax.Array:
     """GRPO advantages. rewards f32[P, G] -> f32[P, G].
@@ -127,19 +133,11 @@ def group_advantages(rewards: jax.Array, scale="group", eps: float = 1e-4,
     "none" (no division: Dr. GRPO). G = 1 or zero std gives numerator / eps = 0.
     mask: optional f32/bool[P, G], 1 = real sample; masked entries are ignored and get advantage 0.
     """
-    scale = _norm_scale(scale)
+    scale = normalize_scale(scale)
     r = jnp.asarray(rewards, jnp.float32)
     w = jnp.ones_like(r) if mask is None else jnp.asarray(mask, jnp.float32)
     mean, std = _unbiased_std(r, w, axis=-1)
-    num = r - mean
-    if scale == "group":
-        adv = num / (std + eps)
-    elif scale == "batch":
-        _, bstd = _unbiased_std(r.reshape(-1), w.reshape(-1), axis=0)
-        adv = num / (bstd + eps)
-    else:
-        adv = num
-    return adv * w
+    return _scaled(r - mean, scale, eps, std, lambda: _unbiased_std(r.reshape(-1), w.reshape(-1), axis=0)[1]) * w
 
 
 def capability_weights(rewards: jax.Array, mask: Optional[jax.Array] = None, threshold: Optional[float] = None,
@@ -166,7 +164,7 @@ def pooled_advantages(rewards: jax.Array, scale="group", eps: float = 1e-4,
     rewards enter the pooled mean/std with that weight (reliability weights, so all-ones == unweighted).
     With N = 1 this equals group_advantages.
     """
-    scale = _norm_scale(scale)
+    scale = normalize_scale(scale)
     r = jnp.asarray(rewards, jnp.float32)
     N, P, G = r.shape
     m = jnp.ones_like(r) if mask is None else jnp.asarray(mask, jnp.float32)
@@ -178,14 +176,7 @@ def pooled_advantages(rewards: jax.Array, scale="group", eps: float = 1e-4,
     rp = r.transpose(1, 0, 2).reshape(P, N * G)
     wp = w.transpose(1, 0, 2).reshape(P, N * G)
     mean, std = _unbiased_std(rp, wp, axis=-1)
-    num = rp - mean
-    if scale == "group":
-        adv = num / (std + eps)
-    elif scale == "batch":
-        _, bstd = _unbiased_std(rp.reshape(-1), wp.reshape(-1), axis=0)
-        adv = num / (bstd + eps)
-    else:
-        adv = num
+    adv = _scaled(rp - mean, scale, eps, std, lambda: _unbiased_std(rp.reshape(-1), wp.reshape(-1), axis=0)[1])
     return adv.reshape(P, N, G).transpose(1, 0, 2) * m
 
 
@@ -202,14 +193,15 @@ def pooled_advantages_from_stats(rewards: jax.Array, prompt_slot: jax.Array, own
     same samples. capability_weighted (HACPO): reliability weights = each policy's success rate
     (r >= tau) relative to the mean rate of the policies present (``capability_weights``).
     """
-    scale = _norm_scale(scale)
+    scale = normalize_scale(scale)
     P = peer_stats.shape[0]
     o = own.astype(jnp.float32)
     r = rewards.astype(jnp.float32)
     seg = lambda x: jax.ops.segment_sum(x * o, prompt_slot, num_segments=P)
     c_o, s_o, q_o = seg(jnp.ones_like(r)), seg(r), seg(r * r)
     st = peer_stats.astype(jnp.float32)
-    c_n, s_n, q_n, k_n = st[..., 0], st[..., 1], st[..., 2], st[..., 3]
+    c_n, s_n, q_n, k_n = (st[..., STAT_COUNT], st[..., STAT_REWARD_SUM], st[..., STAT_REWARD_SQ_SUM],
+                          st[..., STAT_SUCCESSES])
     if capability_weighted:
         own_rate = jnp.sum(o * (r >= tau)) / jnp.maximum(jnp.sum(o), 1.0) + floor
         peer_rate = jnp.sum(k_n, 0) / jnp.maximum(jnp.sum(c_n, 0), 1.0) + floor      # [N]
@@ -230,12 +222,8 @@ def pooled_advantages_from_stats(rewards: jax.Array, prompt_slot: jax.Array, own
         return mean, jnp.where(ok, jnp.sqrt(jnp.maximum(q - mean * mean * v1, 0.0) / jnp.where(ok, den, 1.0)), 0.0)
 
     mean, std = mean_std(V1, V2, S1, Q)
-    num = r - mean[prompt_slot]
-    if scale == "group":
-        return num / (std[prompt_slot] + eps)
-    if scale == "batch":
-        return num / (mean_std(jnp.sum(V1), jnp.sum(V2), jnp.sum(S1), jnp.sum(Q))[1] + eps)
-    return num
+    return _scaled(r - mean[prompt_slot], scale, eps, std[prompt_slot],
+                   lambda: mean_std(jnp.sum(V1), jnp.sum(V2), jnp.sum(S1), jnp.sum(Q))[1])
 
 
 # ----------------------------------------------------------------------------- loss
@@ -282,8 +270,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
                 ref_logp: Optional[jax.Array] = None, loss_type: str = "grpo",
                 max_completion_length: Optional[int] = None,
                 weights: Optional[jax.Array] = None, row_valid: Optional[jax.Array] = None,
-                shaping_mask: Optional[jax.Array] = None, shaping_logratio: Optional[jax.Array] = None,
-                shaping_gamma=0.1, metrics_mask: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, dict]:
+                metrics_mask: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, dict]:
     """Clipped GRPO surrogate (+ beta * k3 KL), as unreduced (loss_sum, denominator, metrics).
 
     logp, old_logp: f32[B, T] (logp differentiable); advantages f32[B] or f32[B, T]; mask f32/bool[B, T].
@@ -292,9 +279,6 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         loss_t = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta * kl_k3(logp, ref_logp)
     epsilon_high defaults to epsilon. beta = 0 needs no ref_logp.
     weights: optional f32[B, T] or f32[B] (stop-gradient) multiplying loss_t (probe row/importance weights).
-    shaping_mask bool[B, T] + shaping_logratio f32[B, T] (differentiable): on those tokens the surrogate is
-    replaced by LUFFY policy shaping -f(exp(shaping_logratio)) A (no clipping); shaping_gamma a scalar or
-    f32[B, 1] (per row).
     row_valid: rows counted in grpo/dr_grpo denominators (see ``aggregate``).
     Metrics (sum, count) over ``metrics_mask`` (default: mask; e.g. own tokens only, as TRL's): kl,
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, ratio_mean.
@@ -321,14 +305,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     coef1 = jnp.exp(log_ratio)
     coef2 = jnp.clip(coef1, 1.0 - eps_low, 1.0 + eps_high)
     obj = jnp.minimum(coef1 * adv, coef2 * adv)
-    obj = jnp.broadcast_to(obj, m.shape)
-    if shaping_mask is not None:
-        if shaping_logratio is None:
-            raise ValueError("shaping_mask needs shaping_logratio")
-        sl = jnp.where(shaping_mask, shaping_logratio.astype(jnp.float32), 0.0)
-        shaped = policy_shaping(jnp.exp(sl), shaping_gamma) * adv
-        obj = jnp.where(shaping_mask, jnp.broadcast_to(shaped, m.shape), obj)
-    per_token = -obj
+    per_token = -jnp.broadcast_to(obj, m.shape)
     mm = m if metrics_mask is None else metrics_mask.astype(jnp.float32)
     metrics = {}
     if beta != 0.0:
@@ -344,9 +321,6 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     ab = jnp.broadcast_to(adv, m.shape)
     low = ((cb < 1.0 - eps_low) & (ab < 0)).astype(jnp.float32)
     high = ((cb > 1.0 + eps_high) & (ab > 0)).astype(jnp.float32)
-    if shaping_mask is not None:
-        keep = 1.0 - shaping_mask.astype(jnp.float32)
-        low, high = low * keep, high * keep
     n = jnp.sum(mm)
     metrics.update({
         "clip_ratio/low_mean": (jnp.sum(low * mm), n),
@@ -355,12 +329,6 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         "ratio_mean": (jax.lax.stop_gradient(jnp.sum(cb * mm)), n),
     })
     return s, d, metrics
-
-
-def grpo_loss(logp, old_logp, advantages, mask, **kw) -> jax.Array:
-    """Convenience: the reduced scalar loss_sum / denominator of ``policy_loss``."""
-    s, d, _ = policy_loss(logp, old_logp, advantages, mask, **kw)
-    return s / jnp.maximum(d, 1e-30)
 
 
 def truncation_mask(mask: jax.Array, truncated: jax.Array) -> jax.Array:

@@ -3,7 +3,10 @@
 R = P*G own rows (prompt-major, row = p*G + g) followed by the P*K peer slots of the consumer's
 ``SeeView`` (row = P*G + p*K + k). One layout for every probe, so every probe compiles the same shapes.
 
-    rows = concat(own_rows(prompt_ids, prompt_mask, completion_ids, ...), peer_rows(view, prompt_ids, prompt_mask))
+    rows = concat(own_rows(prompt_ids, prompt_mask, completion_ids, ...), peer_rows(see_view, prompt_ids, prompt_mask))
+
+The trainer builds a policy's own rows from its rollout (``own_rows``); SEE's per-consumer view (``SeeView``) holds
+the peer slots under the same field names, lifted into rows by ``peer_rows`` inside the update.
 
 Per-row fields are the ones declared with ``per_row()``; ``PER_ROW`` is derived from the dataclass.
 """
@@ -14,10 +17,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from mrl_jax.thl import chunk_sum, chunk_to_tokens
 
+# Row kinds, defined once (SEE's view slots use the same codes): the policy's own rollout, a peer's current-round
+# rollout, an archived verified peer success, the policy's own archived success, an empty slot.
 OWN, PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 0, 1, 2, 3, -1
 
 
@@ -43,8 +49,7 @@ class Rows:
     sft_weight f32[R] (SGT / replay weight), advantages f32[R].
     Scalars: consumer int32[], probe_index int32[] (acting chain of a ``switch``), pool_weighted bool[]
     (pooled baselines use HACPO capability weights; set by a probe's extend, read by every pooling probe).
-    Static: num_prompts, num_generations, and the run's GRPO options a probe's term must follow:
-    scale_rewards, reward_eps (advantages), loss_type, max_completion_length (aggregation).
+    Static: num_prompts, num_generations. (The run's options are bound into the probes, not carried here.)
     """
     prompt_ids: jax.Array = per_row()
     prompt_mask: jax.Array = per_row()
@@ -71,10 +76,6 @@ class Rows:
     pool_weighted: jax.Array = struct.field(pytree_node=True, default=None)
     num_prompts: int = struct.field(pytree_node=False, default=0)
     num_generations: int = struct.field(pytree_node=False, default=0)
-    scale_rewards: str = struct.field(pytree_node=False, default="group")
-    reward_eps: float = struct.field(pytree_node=False, default=1e-4)
-    loss_type: str = struct.field(pytree_node=False, default="grpo")
-    max_completion_length: int = struct.field(pytree_node=False, default=0)
 
     @property
     def num_own(self) -> int:
@@ -93,44 +94,45 @@ PER_ROW = tuple(f.name for f in dataclasses.fields(Rows) if f.metadata.get("per_
 
 
 def own_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp, ref_logp, rewards, truncated, *,
-             consumer, num_chunks: int = 1, pg_mask=None, num_generations: int | None = None,
-             scale_rewards: str = "group", reward_eps: float = 1e-4, loss_type: str = "grpo",
-             max_completion_length: int | None = None, probe_index=0) -> Rows:
-    """The policy's own P x G rollouts as active PG rows. prompt_ids int32[P, Tp] (one row per prompt,
-    repeated G times here), completion_* [P*G, Tc], rewards f32[P*G]. pg_mask defaults to the completion mask."""
+             consumer=0, num_chunks: int = 1, num_generations: int | None = None, probe_index=0) -> Rows:
+    """The policy's own P x G rollouts as active PG rows: prompt_ids int32[P, Tp] (one row per prompt, repeated
+    G times here), prompt_mask bool[P, Tp], completion_ids int32[P*G, Tc] (prompt-major), completion_mask
+    f32[P*G, Tc] (1 up to and incl. the stop token), old_logp f32[P*G, Tc] (the behaviour log-probs, pi_old),
+    ref_logp f32[P*G, Tc] (frozen reference; zeros when beta = 0), rewards f32[P*G], truncated bool[P*G].
+    Host numpy in, host numpy out (the trainer then places the rows on the policy's mesh); jax arrays in
+    (traced too), jax arrays out."""
+    xp = np if all(isinstance(x, np.ndarray) for x in (prompt_ids, completion_ids, rewards)) else jnp
     P = prompt_ids.shape[0]
     n, Tc = completion_ids.shape
     G = n // P if num_generations is None else num_generations
-    slot = jnp.repeat(jnp.arange(P, dtype=jnp.int32), G)
-    cm = jnp.asarray(completion_mask, jnp.float32)
-    cons = jnp.asarray(consumer, jnp.int32)
+    slot = xp.repeat(xp.arange(P, dtype=xp.int32), G)
+    cm = xp.asarray(completion_mask, xp.float32)
+    cons = xp.asarray(consumer, xp.int32)
     return Rows(
-        prompt_ids=jnp.asarray(prompt_ids, jnp.int32)[slot], prompt_mask=jnp.asarray(prompt_mask, bool)[slot],
-        completion_ids=jnp.asarray(completion_ids, jnp.int32), completion_mask=cm,
-        old_logp=jnp.asarray(old_logp, jnp.float32), ref_logp=jnp.asarray(ref_logp, jnp.float32),
-        rewards=jnp.asarray(rewards, jnp.float32), truncated=jnp.asarray(truncated, bool),
-        row_kind=jnp.full((n,), OWN, jnp.int32), prompt_slot=slot, source=jnp.full((n,), cons, jnp.int32),
-        dst_chunk=jnp.full((n, Tc), -1, jnp.int32), src_chunk_logp=jnp.zeros((n, num_chunks), jnp.float32),
-        chunk_valid=jnp.zeros((n, num_chunks), bool), pg_row=jnp.ones((n,), jnp.float32),
-        pg_mask=cm if pg_mask is None else jnp.asarray(pg_mask, jnp.float32),
-        pg_weight=jnp.ones((n, Tc), jnp.float32), aux_weight=jnp.zeros((n, Tc), jnp.float32),
-        sft_weight=jnp.zeros((n,), jnp.float32), advantages=jnp.zeros((n,), jnp.float32),
-        consumer=cons, probe_index=jnp.asarray(probe_index, jnp.int32), pool_weighted=jnp.asarray(False),
-        num_prompts=P, num_generations=G, scale_rewards=scale_rewards, reward_eps=float(reward_eps),
-        loss_type=loss_type, max_completion_length=int(max_completion_length or Tc))
+        prompt_ids=xp.asarray(prompt_ids, xp.int32)[slot], prompt_mask=xp.asarray(prompt_mask, bool)[slot],
+        completion_ids=xp.asarray(completion_ids, xp.int32), completion_mask=cm,
+        old_logp=xp.asarray(old_logp, xp.float32), ref_logp=xp.asarray(ref_logp, xp.float32),
+        rewards=xp.asarray(rewards, xp.float32), truncated=xp.asarray(truncated, bool),
+        row_kind=xp.full((n,), OWN, xp.int32), prompt_slot=slot, source=xp.full((n,), cons, xp.int32),
+        dst_chunk=xp.full((n, Tc), -1, xp.int32), src_chunk_logp=xp.zeros((n, num_chunks), xp.float32),
+        chunk_valid=xp.zeros((n, num_chunks), bool), pg_row=xp.ones((n,), xp.float32), pg_mask=cm,
+        pg_weight=xp.ones((n, Tc), xp.float32), aux_weight=xp.zeros((n, Tc), xp.float32),
+        sft_weight=xp.zeros((n,), xp.float32), advantages=xp.zeros((n,), xp.float32),
+        consumer=cons, probe_index=xp.asarray(probe_index, xp.int32), pool_weighted=xp.asarray(False),
+        num_prompts=P, num_generations=G)
 
 
 def peer_rows(view, prompt_ids, prompt_mask) -> Rows:
-    """The view's S = P*K slots as inactive rows (a probe's extend activates them); prompts from the
-    consumer's own prompt_ids int32[P, Tp] by slot."""
-    S, Tc = view.ids.shape
+    """The view's S = P*K slots (``SeeView``: the same field names) as inactive rows (a probe's extend
+    activates them); prompts from the consumer's own prompt_ids int32[P, Tp] by slot."""
+    S, Tc = view.completion_ids.shape
     ps = view.prompt_slot.astype(jnp.int32)
     z = lambda *s, dt=jnp.float32: jnp.zeros(s, dt)
     return Rows(
         prompt_ids=jnp.asarray(prompt_ids, jnp.int32)[ps], prompt_mask=jnp.asarray(prompt_mask, bool)[ps],
-        completion_ids=view.ids.astype(jnp.int32), completion_mask=view.mask.astype(jnp.float32),
+        completion_ids=view.completion_ids.astype(jnp.int32), completion_mask=view.completion_mask.astype(jnp.float32),
         old_logp=z(S, Tc), ref_logp=z(S, Tc), rewards=view.rewards.astype(jnp.float32),
-        truncated=view.truncated.astype(bool), row_kind=view.kind.astype(jnp.int32), prompt_slot=ps,
+        truncated=view.truncated.astype(bool), row_kind=view.row_kind.astype(jnp.int32), prompt_slot=ps,
         source=view.source.astype(jnp.int32), dst_chunk=view.dst_chunk.astype(jnp.int32),
         src_chunk_logp=view.src_chunk_logp.astype(jnp.float32), chunk_valid=view.chunk_valid.astype(bool),
         pg_row=z(S), pg_mask=z(S, Tc), pg_weight=z(S, Tc), aux_weight=z(S, Tc), sft_weight=z(S), advantages=z(S),
@@ -139,7 +141,7 @@ def peer_rows(view, prompt_ids, prompt_mask) -> Rows:
 
 
 def concat(own: Rows, peers: Rows) -> Rows:
-    """Own rows followed by peer slots; scalars and static options from ``own``."""
+    """Own rows followed by peer slots; scalars and static fields from ``own``."""
     if own.completion_ids.shape[1] != peers.completion_ids.shape[1]:
         raise ValueError(f"peer completion length {peers.completion_ids.shape[1]} != own completion length "
                          f"{own.completion_ids.shape[1]}")

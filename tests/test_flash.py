@@ -15,6 +15,7 @@ from flax import nnx
 
 from mrl_jax import learner, see
 from mrl_jax.models import tiny_model
+from mrl_jax.rows import own_rows
 
 A = importlib.import_module("mrl_jax.models.attention")
 flash = importlib.import_module("mrl_jax.models.flash")
@@ -97,7 +98,7 @@ def _update_grads(model, Tp=5, Tc=7, P=2, G=2):
     """Loss and gradients of the GRPO update's objective (probe none) on a left-padded, ragged batch."""
     graphdef, params = nnx.split(model)
     V, n, rs = model.config.vocab_size, P * G, np.random.RandomState(0)
-    batch = learner.Batch(
+    batch = own_rows(
         prompt_ids=jnp.asarray(rs.randint(3, V, (P, Tp)), jnp.int32),
         prompt_mask=jnp.asarray(np.arange(Tp)[None] >= np.array([0, 2])[:, None]),
         completion_ids=jnp.asarray(rs.randint(3, V, (n, Tc)), jnp.int32),

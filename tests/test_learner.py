@@ -10,7 +10,8 @@ from flax import nnx
 
 from mrl_jax import see
 from mrl_jax.configs import ConfigError
-from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn, make_optimizer, make_update_step
+from mrl_jax.rows import own_rows
+from mrl_jax.learner import GRPOConfig, make_grad_fn, make_optimizer, make_update_step
 from mrl_jax.models import tiny_model
 
 TP = 2
@@ -38,7 +39,7 @@ def _sampler(graphdef, Tc):
 
 def _batch(prompts, comp, lp, rewards):
     n, Tc = comp.shape
-    return Batch(prompt_ids=prompts, prompt_mask=jnp.ones(prompts.shape, bool), completion_ids=comp,
+    return own_rows(prompt_ids=prompts, prompt_mask=jnp.ones(prompts.shape, bool), completion_ids=comp,
                  completion_mask=jnp.ones((n, Tc)), old_logp=lp, ref_logp=jnp.zeros((n, Tc)),
                  rewards=rewards.astype(jnp.float32), truncated=jnp.zeros((n,), bool))
 
@@ -54,7 +55,7 @@ def _peer_view(P, K, targets, Tc, N=2):
     stats = np.zeros((P, N, 4), np.float32)
     stats[:, 1] = [1.0, 1.0, 1.0, 1.0]
     return see.empty_view(P, K, Tc, Tc, N).replace(
-        ids=jnp.asarray(ids), mask=jnp.asarray(mask), kind=jnp.asarray(kind),
+        completion_ids=jnp.asarray(ids), completion_mask=jnp.asarray(mask), row_kind=jnp.asarray(kind),
         dst_chunk=jnp.where(jnp.asarray(mask) > 0, jnp.arange(Tc)[None], -1).astype(jnp.int32),
         chunk_valid=jnp.asarray(mask) > 0, src_chunk_logp=jnp.asarray(mask) * -0.1,
         rewards=jnp.asarray((kind == see.PEER).astype(np.float32)),
@@ -79,8 +80,8 @@ def test_micro_batch_accumulation_equals_full_batch():
     batch = _batch(prompts, comp, jnp.asarray(rs.uniform(-3.5, -2.0, (P * G, Tc)), jnp.float32),
                    jnp.asarray([0, 1, 0, 0, 1, 1], jnp.float32))
     view = _peer_view(P, K, rs.randint(0, V, (P, Tc)), Tc)
-    view = view.replace(kind=jnp.where(view.kind == see.EMPTY, see.PEER, view.kind),
-                        mask=jnp.ones_like(view.mask), chunk_valid=jnp.ones_like(view.chunk_valid),
+    view = view.replace(row_kind=jnp.where(view.row_kind == see.EMPTY, see.PEER, view.row_kind),
+                        completion_mask=jnp.ones_like(view.completion_mask), chunk_valid=jnp.ones_like(view.chunk_valid),
                         dst_chunk=jnp.tile(jnp.arange(Tc), (P * K, 1)))
     cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="grpo", beta=0.0)
     full = make_grad_fn(graphdef, "prp+sgt", cfg, 0, jit=True)(params, batch, view, jax.random.PRNGKey(1))
@@ -114,7 +115,7 @@ def test_only_weighted_peer_slots_are_computed_and_the_gradient_equals_the_padde
     def padded(p):
         logp_fn = lambda r: rows_logp(nnx.merge(graphdef, p), r.prompt_ids, r.prompt_mask, r.completion_ids,
                                       r.completion_mask)
-        rows = assemble_rows(batch, view, consumer=view.consumer, max_completion_length=Tc)
+        rows = assemble_rows(batch, view)
         return objective.objective(logp_fn, rows, view, key, __import__("mrl_jax").probes.make_probe("prp+sgt"),
                                    cfg)
     (ref_loss, ref_m), ref_grads = jax.jit(jax.value_and_grad(padded, has_aux=True))(params)

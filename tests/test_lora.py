@@ -10,7 +10,8 @@ from flax import nnx
 
 from mrl_jax import models, see
 from mrl_jax.configs import ConfigError, from_dict
-from mrl_jax.learner import Batch, make_logp_fn, make_optimizer, make_update_step
+from mrl_jax.rows import own_rows
+from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.trainer.config import PolicySpec, RunConfig
 from mrl_jax.trainer.policy import add_lora, build_policy, trainable_param_count
@@ -123,7 +124,7 @@ def _tiny_run(lora: dict, beta: float = 0.0):
 def _batch(V, P=2, G=2, Tp=4, Tc=3, seed=0):
     rng = np.random.default_rng(seed)
     n = P * G
-    return Batch(prompt_ids=jnp.asarray(rng.integers(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
+    return own_rows(prompt_ids=jnp.asarray(rng.integers(3, V, (P, Tp)), jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
                  completion_ids=jnp.asarray(rng.integers(3, V, (n, Tc)), jnp.int32), completion_mask=jnp.ones((n, Tc)),
                  old_logp=jnp.full((n, Tc), -3.0), ref_logp=jnp.zeros((n, Tc)),
                  rewards=jnp.asarray([1.0, 0.0, 0.0, 1.0]), truncated=jnp.zeros((n,), bool))

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from mrl_jax import objective, probes, see
-from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn
+from mrl_jax.learner import GRPOConfig, make_grad_fn
 from mrl_jax.models import tiny_model
 from mrl_jax.rows import concat, own_rows, peer_rows
 
@@ -27,11 +27,11 @@ def _toy(level: str):
     r = jnp.asarray([float(a == b == 1) for a, b in seqs])
     lpj = jnp.where(ids == 1, jnp.log(0.9), jnp.log(0.1))
     stats = jnp.zeros((1, 2, 4)).at[0, 1].set(jnp.asarray([S, r.sum(), (r * r).sum(), r.sum()]))
-    view = see.SeeView(ids=ids, mask=jnp.ones((S, 2)), dst_chunk=jnp.tile(jnp.arange(2), (S, 1)),
+    view = see.SeeView(completion_ids=ids, completion_mask=jnp.ones((S, 2)), dst_chunk=jnp.tile(jnp.arange(2), (S, 1)),
                        src_chunk_logp=lpj, chunk_valid=jnp.ones((S, 2), bool), rewards=r,
-                       source=jnp.ones((S,), jnp.int32), kind=jnp.full((S,), probes.PEER, jnp.int32),
+                       source=jnp.ones((S,), jnp.int32), row_kind=jnp.full((S,), probes.PEER, jnp.int32),
                        prompt_slot=jnp.zeros((S,), jnp.int32), truncated=jnp.zeros((S,), bool), peer_stats=stats,
-                       consumer=jnp.int32(0), tau=jnp.float32(1.0))
+                       consumer=jnp.int32(0))
     own = own_rows(jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool), jnp.zeros((1, 2), jnp.int32),
                    jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros((1,)), jnp.zeros((1,), bool),
                    consumer=0)                                          # one own row: reward 0, no tokens
@@ -70,10 +70,11 @@ def _pooled_setup():
     view = see.empty_view(P, 2, 2, 2, 2)
     # the peer (policy 1) succeeds on 6 of 8 samples, the consumer on 3 of 6: capability weights differ from 1
     stats = jnp.zeros((P, 2, 4)).at[:, 1].set(jnp.asarray([[4, 4, 4, 4], [4, 2, 2, 2]], jnp.float32))
-    view = view.replace(peer_stats=stats, ids=jnp.ones((P * 2, 2), jnp.int32), mask=jnp.ones((P * 2, 2)),
+    view = view.replace(peer_stats=stats, completion_ids=jnp.ones((P * 2, 2), jnp.int32),
+                        completion_mask=jnp.ones((P * 2, 2)),
                         dst_chunk=jnp.tile(jnp.arange(2), (P * 2, 1)), chunk_valid=jnp.ones((P * 2, 2), bool),
                         rewards=jnp.asarray([1, 1, 0, 0], jnp.float32), source=jnp.ones((P * 2,), jnp.int32),
-                        kind=jnp.full((P * 2,), probes.PEER, jnp.int32))
+                        row_kind=jnp.full((P * 2,), probes.PEER, jnp.int32))
     return concat(own_r, peer_rows(view, own_r.prompt_ids[::G], own_r.prompt_mask[::G])), view
 
 
@@ -118,7 +119,7 @@ def _batch(P=2, G=4, T=4, seed=0):
     rng = np.random.default_rng(seed)
     mask = np.ones((P * G, T), np.float32)
     mask[:4, 2:] = 0.0                                                  # first micro-batch has fewer tokens
-    return Batch(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 3)), jnp.int32), prompt_mask=jnp.ones((P, 3), bool),
+    return own_rows(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 3)), jnp.int32), prompt_mask=jnp.ones((P, 3), bool),
                  completion_ids=jnp.asarray(rng.integers(1, 40, (P * G, T)), jnp.int32),
                  completion_mask=jnp.asarray(mask), old_logp=jnp.asarray(rng.normal(-3.7, 0.3, (P * G, T)), jnp.float32),
                  ref_logp=jnp.asarray(rng.normal(-3.6, 0.3, (P * G, T)), jnp.float32),
@@ -134,11 +135,8 @@ def test_bnpo_is_trls_local_token_mean(tiny):
     close(grads("bnpo", 0), grads("dapo", 0))                           # one micro-batch: the same
     # two micro-batches (4 rows each, 8 vs 16 tokens): mean of the per-micro-batch token means
     cfg = GRPOConfig(num_generations=4, max_completion_length=4, loss_type="dapo")
-    half = [jax.tree.map(lambda x, s=s: x[s], batch) for s in (slice(0, 4), slice(4, 8))]
-    parts = []
-    for h, sl in zip(half, (slice(0, 1), slice(1, 2))):
-        hb = h.replace(prompt_ids=batch.prompt_ids[sl], prompt_mask=batch.prompt_mask[sl])
-        parts.append(make_grad_fn(gd, "none", cfg)(params, hb, see.empty_view(1, 1, 4, 4, 2), KEY)[1])
+    parts = [make_grad_fn(gd, "none", cfg)(params, batch.take(a, a + 4).replace(num_prompts=1),
+                                           see.empty_view(1, 1, 4, 4, 2), KEY)[1] for a in (0, 4)]
     expect = jax.tree.map(lambda a, b: (a + b) / 2, *parts)
     close(grads("bnpo", 4), expect)
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads("bnpo", 4)),
@@ -152,10 +150,10 @@ def test_trl_named_metrics_cover_own_tokens_only(tiny):
     P, G, T, K = 2, 4, 4, 2
     ids = jnp.asarray(np.random.default_rng(1).integers(1, 40, (P * K, T)), jnp.int32)
     view = see.empty_view(P, K, T, T, 2).replace(
-        ids=ids, mask=jnp.ones((P * K, T)), dst_chunk=jnp.tile(jnp.arange(T), (P * K, 1)),
+        completion_ids=ids, completion_mask=jnp.ones((P * K, T)), dst_chunk=jnp.tile(jnp.arange(T), (P * K, 1)),
         chunk_valid=jnp.ones((P * K, T), bool), src_chunk_logp=jnp.full((P * K, T), -3.0),
         rewards=jnp.asarray([1, 0, 1, 1], jnp.float32), source=jnp.ones((P * K,), jnp.int32),
-        kind=jnp.full((P * K,), probes.PEER, jnp.int32),
+        row_kind=jnp.full((P * K,), probes.PEER, jnp.int32),
         peer_stats=jnp.zeros((P, 2, 4)).at[:, 1].set(jnp.asarray([[2, 1, 1, 1], [2, 2, 2, 2]], jnp.float32)))
     cfg = GRPOConfig(num_generations=G, max_completion_length=T, beta=0.1)
     m_none = make_grad_fn(gd, "none", cfg)(params, batch, view, KEY)[2]

@@ -8,7 +8,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from mrl_jax import grpo, probes, see
-from mrl_jax.learner import Batch, GRPOConfig, assemble_rows, make_grad_fn, rows_logp
+from mrl_jax.rows import own_rows
+from mrl_jax.learner import GRPOConfig, assemble_rows, make_grad_fn, rows_logp
 
 V, P, G, TP, TC = 11, 2, 3, 2, 4
 
@@ -44,7 +45,7 @@ def _logp(prompt_ids, comp, mask):
 
 
 def _make(own_r, peer_r, peer_kind=None, seed=0):
-    """Batch (own old_logp = current logp, ratio 1) and a view whose K = G peer rows come from the same
+    """Own rows (own old_logp = current logp, ratio 1) and a view whose K = G peer rows come from the same
     model with identity alignment (src_chunk_logp = the model's own token log-probs), source 1."""
     rs = np.random.RandomState(seed)
     prompt = jnp.asarray(rs.randint(3, V, (P, TP)), jnp.int32)
@@ -55,19 +56,19 @@ def _make(own_r, peer_r, peer_kind=None, seed=0):
     lp = _logp(prompt[np.concatenate([slot, slot])], comp, mask)
     n = P * G
     own_r, peer_r = np.asarray(own_r, np.float32).reshape(-1), np.asarray(peer_r, np.float32).reshape(-1)
-    batch = Batch(prompt_ids=prompt, prompt_mask=jnp.ones((P, TP), bool), completion_ids=comp[:n],
+    batch = own_rows(prompt_ids=prompt, prompt_mask=jnp.ones((P, TP), bool), completion_ids=comp[:n],
                   completion_mask=mask[:n], old_logp=lp[:n], ref_logp=jnp.zeros((n, TC)),
                   rewards=jnp.asarray(own_r), truncated=jnp.zeros((n,), bool))
     stats = np.zeros((P, 2, 4), np.float32)
     pr = peer_r.reshape(P, G)
     stats[:, 1] = np.stack([np.full(P, G), pr.sum(1), (pr ** 2).sum(1), (pr >= 1).sum(1)], -1)
     chunk = jnp.where(mask[n:] > 0, jnp.arange(TC)[None], -1)
-    view = see.SeeView(ids=comp[n:], mask=mask[n:], dst_chunk=chunk.astype(jnp.int32),
+    view = see.SeeView(completion_ids=comp[n:], completion_mask=mask[n:], dst_chunk=chunk.astype(jnp.int32),
                        src_chunk_logp=lp[n:] * mask[n:], chunk_valid=mask[n:] > 0, rewards=jnp.asarray(peer_r),
                        source=jnp.ones((n,), jnp.int32),
-                       kind=jnp.asarray(np.full(n, see.PEER) if peer_kind is None else peer_kind, jnp.int32),
+                       row_kind=jnp.asarray(np.full(n, see.PEER) if peer_kind is None else peer_kind, jnp.int32),
                        prompt_slot=jnp.asarray(slot, jnp.int32), truncated=jnp.zeros((n,), bool),
-                       peer_stats=jnp.asarray(stats), consumer=jnp.int32(0), tau=jnp.float32(1.0))
+                       peer_stats=jnp.asarray(stats), consumer=jnp.int32(0))
     return batch, view, lp, mask, comp, slot
 
 
@@ -114,7 +115,7 @@ def test_helpers():
 @given(st.lists(st.sampled_from([0.0, 1.0]), min_size=3 * P * G, max_size=3 * P * G), st.booleans())
 def test_pooled_row_advantages_equal_grpo_pooled(flat, cw):
     r = np.asarray(flat, np.float32).reshape(3, P, G)                 # policy 0 = consumer, 1 and 2 peers
-    batch = Batch(prompt_ids=jnp.zeros((P, TP), jnp.int32), prompt_mask=jnp.ones((P, TP), bool),
+    batch = own_rows(prompt_ids=jnp.zeros((P, TP), jnp.int32), prompt_mask=jnp.ones((P, TP), bool),
                   completion_ids=jnp.zeros((P * G, TC), jnp.int32), completion_mask=jnp.ones((P * G, TC)),
                   old_logp=jnp.zeros((P * G, TC)), ref_logp=jnp.zeros((P * G, TC)),
                   rewards=jnp.asarray(r[0].reshape(-1)), truncated=jnp.zeros((P * G,), bool))
@@ -162,7 +163,7 @@ def test_prp_with_self_peer_equals_grpo_on_pooled_group(loss_type):
     assert float(m["prp/rows"]) == P * G
     adv = grpo.pooled_advantages(jnp.asarray([own_r, peer_r], jnp.float32))        # [2, P, G]
     adv = jnp.concatenate([adv[0].reshape(-1), adv[1].reshape(-1)])
-    prompt = batch.prompt_ids[np.concatenate([slot, slot])]
+    prompt = batch.prompt_ids[::G][np.concatenate([slot, slot])]
 
     def ref_loss(params):
         lpp = rows_logp(nnx.merge(GRAPHDEF, params), prompt, jnp.ones(prompt.shape, bool), comp, mask)[0]
@@ -257,12 +258,45 @@ def test_prp_masks_residual_chunks_and_truncates_weights():
     peer = slice(P * G, None)
     assert float(jnp.max(out.pg_weight[peer])) <= 1.0 + 1e-6      # truncated at 1
     assert float(jnp.sum(out.pg_mask[peer][:, 0])) == 0.0           # residual chunk masked
-    np.testing.assert_allclose(out.pg_mask[peer][:, 1:], view.mask[:, 1:])
-    assert float(om["prp/residual_frac"][0]) == float(jnp.sum(view.mask[:, 0]))
+    np.testing.assert_allclose(out.pg_mask[peer][:, 1:], view.completion_mask[:, 1:])
+    assert float(om["prp/residual_frac"][0]) == float(jnp.sum(view.completion_mask[:, 0]))
     shaped, _ = probes.prp(mode="shaping").extend(rows, view, KEY)
     np.testing.assert_array_equal(np.asarray(shaped.aux_weight[peer] > 0), np.asarray(shaped.pg_mask[peer] > 0))
     assert not bool((shaped.aux_weight[:P * G] > 0).any())
     assert float(jnp.abs(shaped.pg_weight[peer]).sum()) == 0.0       # LUFFY rows: PRP's own term, not the PG one
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_prp_shaping_term_is_luffy_on_the_shaped_tokens(loss_type):
+    """PRP's LUFFY term against numpy: -f(rho_c) A w per shaped token, rho_c = exp(chunk logp - source chunk
+    logp), f(x) = x / (x + gamma), aggregated as the PG term (loss_type) over the PG denominator."""
+    batch, view, *_ = _make([[1, 0, 0], [0, 1, 0]], [[1, 0, 1], [0, 1, 0]])
+    view = view.replace(src_chunk_logp=view.src_chunk_logp - 0.7)
+    gamma = 0.3
+    probe = probes.prp(mode="shaping", gamma=gamma,
+                       options=probes.RunOptions(loss_type=loss_type, max_completion_length=TC + 2))
+    rows = assemble_rows(batch, view)
+    rows, _ = probe.extend(rows, view, KEY)
+    rows = rows.replace(advantages=jnp.asarray(np.random.RandomState(1).randn(rows.num_rows), jnp.float32))
+    logp = jnp.asarray(np.random.RandomState(2).randn(*rows.completion_ids.shape) * 0.5 - 1.0, jnp.float32)
+    s, d, _ = probe.loss_terms(logp, rows)
+    r = jax.tree.map(np.asarray, rows)
+    on = r.aux_weight > 0
+    assert on.any()
+    chunk_lp = np.zeros(r.src_chunk_logp.shape)
+    for i, t in zip(*np.nonzero(r.dst_chunk >= 0)):
+        chunk_lp[i, r.dst_chunk[i, t]] += float(logp[i, t]) * r.completion_mask[i, t]
+    rho = np.exp(np.take_along_axis(chunk_lp - r.src_chunk_logp, np.maximum(r.dst_chunk, 0), 1))
+    tok = np.where(on, -(rho / (rho + gamma)) * r.advantages[:, None] * r.aux_weight, 0.0)
+    m, rv = r.pg_mask, on.any(1)
+    if loss_type == "grpo":
+        want_s, want_d = np.sum(rv * (tok * m).sum(1) / np.maximum(m.sum(1), 1)), r.pg_row.sum()
+    elif loss_type == "dapo":
+        want_s, want_d = np.sum(tok * m * rv[:, None]), np.sum(m * r.pg_row[:, None])
+    else:
+        want_s, want_d = np.sum(tok * m * rv[:, None]), r.pg_row.sum() * (TC + 2)
+    np.testing.assert_allclose(float(s[0]), want_s, rtol=1e-5)
+    np.testing.assert_allclose(float(d[0]), want_d, rtol=1e-6)
 
 
 def test_switch_one_compile_serves_every_chain():

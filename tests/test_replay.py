@@ -27,7 +27,7 @@ def test_replay_gradient_is_lambda_mean_grad_logp_of_own_successes():
         total = 0.0
         for r in fired:
             p = int(np.asarray(rows.prompt_slot)[r])
-            lpp = rows_logp(nnx.merge(GRAPHDEF, params), batch.prompt_ids[p:p + 1],
+            lpp = rows_logp(nnx.merge(GRAPHDEF, params), batch.prompt_ids[::G][p:p + 1],
                             jnp.ones((1, batch.prompt_ids.shape[1]), bool), comp[r:r + 1], mask[r:r + 1])[0]
             total = total + jnp.sum(lpp * mask[r:r + 1]) / jnp.sum(mask[r:r + 1])
         return total / len(fired)

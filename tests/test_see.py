@@ -44,7 +44,7 @@ def test_repeated_peer_samples_fill_every_rollout_slot_every_round():
     for rnd in range(2):
         buf, _ = _add(buf, _exp(["42"] * 4, [1] * 4, 1, [1.0] * 4, rnd=rnd))
         sel = S.select_peers(buf, consumer=0, prompt_ids=[1], k_rollouts=4)
-        assert list(sel["kind"]) == [S.PEER] * 4 and sel["texts"] == ["42"] * 4
+        assert list(sel.row_kind) == [S.PEER] * 4 and sel.texts == ["42"] * 4
 
 
 def test_rollout_slots_round_robin_over_peers():
@@ -52,7 +52,7 @@ def test_rollout_slots_round_robin_over_peers():
     buf, _ = _add(buf, _exp(["a0", "a1", "a2"], [0] * 3, 1, [0.0] * 3))
     buf, _ = _add(buf, _exp(["b0", "b1", "b2"], [0] * 3, 2, [0.0] * 3))
     sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=4)
-    assert sel["texts"] == ["a0", "b0", "a1", "b1"]
+    assert sel.texts == ["a0", "b0", "a1", "b1"]
 
 
 def test_cut_text_is_truncated_never_a_success_and_counted():
@@ -64,11 +64,11 @@ def test_cut_text_is_truncated_never_a_success_and_counted():
     assert int(info["texts_cut"]) == 1 and int(info["successes_added"]) == 1
     assert _texts(buf.successes) == ["42"]
     sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=2)
-    toks = [[ord(c) for c in t] for t in sel["texts"]]
+    toks = [[ord(c) for c in t] for t in sel.texts]
     view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
                        max_completion_len=8, max_chunks=8, eos_id=99)
-    cut_slot = sel["texts"].index("the ")
-    assert bool(view.truncated[cut_slot]) and 99 not in list(np.asarray(view.ids[cut_slot]))   # no EOS
+    cut_slot = sel.texts.index("the ")
+    assert bool(view.truncated[cut_slot]) and 99 not in list(np.asarray(view.completion_ids[cut_slot]))   # no EOS
 
 
 def test_ring_eviction_and_per_prompt_cap():
@@ -106,21 +106,21 @@ def test_latest_round_stats_and_view():
     np.testing.assert_allclose(buf.stats.latest[2, 1], [2.0, 1.0, 1.0, 1.0])    # round 0 entry reset
     np.testing.assert_allclose(buf.stats.total[2, 1], [3.0, 2.0, 2.0, 2.0])
     sel = S.select_peers(buf, consumer=0, prompt_ids=[2, 3], k_rollouts=2, k_successes=1)
-    kinds = sel["kind"].reshape(2, 3)
-    texts = dict(zip(sel["filled"], sel["texts"]))
+    kinds = sel.row_kind.reshape(2, 3)
+    texts = dict(zip(sel.filled, sel.texts))
     assert sorted(texts[s] for s in (0, 1)) == ["p1a", "p1b"] and texts[2] == "old"   # archived success
     assert list(kinds[0]) == [S.PEER, S.PEER, S.ARCHIVE] and list(kinds[1]) == [S.PEER, S.EMPTY, S.EMPTY]
-    toks = [[ord(c) for c in t] for t in sel["texts"]]
+    toks = [[ord(c) for c in t] for t in sel.texts]
     view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [2, 3]),
                        max_completion_len=4, max_chunks=4, eos_id=99)
-    assert view.ids.shape == (6, 4) and view.peer_stats.shape == (2, 3, 4)
+    assert view.completion_ids.shape == (6, 4) and view.peer_stats.shape == (2, 3, 4)
     assert float(view.peer_stats[:, 0].sum()) == 0.0                     # consumer column zeroed
     s_old = 2
-    assert list(np.asarray(view.ids[s_old])) == [ord("o"), ord("l"), ord("d"), 99]
+    assert list(np.asarray(view.completion_ids[s_old])) == [ord("o"), ord("l"), ord("d"), 99]
     assert list(np.asarray(view.dst_chunk[s_old])) == [0, 1, 2, -1]      # EOS has no chunk
     np.testing.assert_allclose(view.src_chunk_logp[s_old, :3], -0.5)
     assert bool(view.chunk_valid[s_old, :3].all()) and not bool(view.chunk_valid[s_old, 3])
-    assert int(view.kind[4]) == S.EMPTY and float(view.mask[4].sum()) == 0.0
+    assert int(view.row_kind[4]) == S.EMPTY and float(view.completion_mask[4].sum()) == 0.0
 
 
 def _select_by_scan(see, consumer, prompt_ids, k_rollouts, k_successes, k_own):
@@ -163,18 +163,18 @@ def test_select_peers_equals_the_per_prompt_scan(entries, prompt_ids, consumer, 
                                     [s for _, s, _, _ in part], [r for *_, r in part], rnd=rnd))
     sel = S.select_peers(buf, consumer, prompt_ids, k_r, k_s, k_o)
     want = _select_by_scan(buf, consumer, prompt_ids, k_r, k_s, k_o)
-    assert [(int(t), int(i)) for t, i in zip(sel["table"], sel["index"])] == [(min(t, 1), i) for t, i in want]
-    assert list(sel["kind"]) == [(S.EMPTY, S.PEER, S.ARCHIVE, S.OWN_ARCHIVE)[t + 1] for t, _ in want]
+    assert list(sel.row_kind) == [(S.EMPTY, S.PEER, S.ARCHIVE, S.OWN_ARCHIVE)[t + 1] for t, _ in want]
+    assert [int(i) for i in sel.record] == [i for _, i in want]
 
 
 def _view_by_rows(sel, aligned, Tc, C, pad_id, eos_id):
     """Reference: make_view's token fields built slot by slot (before the vectorised build)."""
-    S_ = len(sel["kind"])
+    S_ = len(sel.row_kind)
     ids, mask = np.full((S_, Tc), pad_id, np.int32), np.zeros((S_, Tc), np.float32)
     dchunk, sclp = np.full((S_, Tc), -1, np.int32), np.zeros((S_, C), np.float32)
-    trunc, kind = np.asarray(sel["truncated"], bool).copy(), np.asarray(sel["kind"], np.int32).copy()
-    for m, s in enumerate(sel["filled"]):
-        n = int(aligned.dst_len[m])
+    trunc, kind = np.asarray(sel.truncated, bool).copy(), np.asarray(sel.row_kind, np.int32).copy()
+    for m, s in enumerate(sel.filled):
+        n = int(aligned.dst_lengths[m])
         d_ids, d_ch = aligned.dst_ids[m, :n], aligned.dst_chunk[m, :n]
         if eos_id is not None and not trunc[s]:
             d_ids, d_ch = np.append(d_ids, eos_id), np.append(d_ch, -1)
@@ -182,13 +182,14 @@ def _view_by_rows(sel, aligned, Tc, C, pad_id, eos_id):
             trunc[s], d_ids, d_ch = True, d_ids[:Tc], d_ch[:Tc]
         ids[s, :len(d_ids)], mask[s, :len(d_ids)] = d_ids, 1.0
         dchunk[s, :len(d_ids)] = np.where((d_ch >= 0) & (d_ch < C), d_ch, -1)
-        lp = np.asarray(sel["src_logp"][m], np.float32)
+        lp = np.asarray(sel.src_logp[m], np.float32)
         sc = aligned.src_chunk[m, :len(lp)]
         keep = (sc >= 0) & (sc < C)
         np.add.at(sclp[s], sc[keep], lp[: len(sc)][keep])
         if len(d_ids) == 0:
             kind[s] = S.EMPTY
-    return dict(ids=ids, mask=mask, dst_chunk=dchunk, src_chunk_logp=sclp, truncated=trunc, kind=kind)
+    return dict(completion_ids=ids, completion_mask=mask, dst_chunk=dchunk, src_chunk_logp=sclp, truncated=trunc,
+                row_kind=kind)
 
 
 @settings(max_examples=40, deadline=None)
@@ -207,13 +208,15 @@ def test_make_view_equals_the_slot_by_slot_build(rows, Tc, C, eos_id, seed):
     for m, (n, k, _) in enumerate(rows):
         dst_ids[m, n:], dst_chunk[m, n:], src_chunk[m, k:] = 0, -1, -1
     aligned = S.ViewAlignment(dst_ids=dst_ids, dst_chunk=dst_chunk, src_chunk=src_chunk,
-                              chunk_valid=rng.random((M, 7)) < 0.5, dst_len=np.array([n for n, _, _ in rows], np.int32))
+                              chunk_valid=rng.random((M, 7)) < 0.5, dst_lengths=np.array([n for n, _, _ in rows], np.int32))
     trunc = np.zeros(S_, bool)
     trunc[filled] = [t for _, _, t in rows]
-    sel = {"kind": np.where(np.isin(np.arange(S_), filled), S.PEER, S.EMPTY), "filled": filled,
-           "truncated": trunc, "reward": np.zeros(S_), "source": np.zeros(S_, np.int32),
-           "prompt_slot": np.zeros(S_, np.int32),
-           "src_logp": [rng.normal(-1, 0.5, k + int(rng.integers(0, 3))).astype(np.float32) for _, k, _ in rows]}
+    sel = S.PeerSelection(row_kind=np.where(np.isin(np.arange(S_), filled), S.PEER, S.EMPTY).astype(np.int32),
+                          record=np.zeros(S_, np.int32), prompt_slot=np.zeros(S_, np.int32),
+                          source=np.zeros(S_, np.int32), rewards=np.zeros(S_, np.float32), truncated=trunc,
+                          filled=filled, texts=[""] * M, src_ids=[np.zeros(0, np.int32)] * M,
+                          src_logp=[rng.normal(-1, 0.5, k + int(rng.integers(0, 3))).astype(np.float32)
+                                    for _, k, _ in rows])
     view = S.make_view(sel, aligned, consumer=0, stats=np.zeros((1, 2, 4)), max_completion_len=Tc, max_chunks=C,
                        pad_id=3, eos_id=eos_id)
     for k, v in _view_by_rows(sel, aligned, Tc, C, 3, eos_id).items():

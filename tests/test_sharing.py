@@ -72,8 +72,7 @@ def test_kl_reference_is_the_starting_policy_and_k3_matches_by_hand():
     r = moved[0]
     params1, batch, _ = rec.calls[pol.name][r]
     model = lambda p: nnx.merge(pol.graphdef, p)
-    prompt = jnp.repeat(batch.prompt_ids, run.cfg.num_generations, 0)
-    pmask = jnp.repeat(batch.prompt_mask, run.cfg.num_generations, 0)
+    prompt, pmask = batch.prompt_ids, batch.prompt_mask   # the own rows: one prompt row per completion
     lp = rows_logp(model(params1), prompt, pmask, batch.completion_ids, batch.completion_mask)[0]
     ref = rows_logp(model(st.ref_params), prompt, pmask, batch.completion_ids, batch.completion_mask)[0]
     m = np.asarray(batch.completion_mask)
@@ -126,7 +125,7 @@ def test_greedy_peer_fills_every_prp_slot_every_round():
     P = run.cfg.prompts_per_round
     for r in range(2):
         view = rec.calls[run.policies[0].name][r][2]
-        kinds = np.asarray(view.kind).reshape(P, -1)[:, :k]
+        kinds = np.asarray(view.row_kind).reshape(P, -1)[:, :k]
         assert (kinds == 1).all(), r                                     # every rollout slot holds a PEER sample
         n_ok = int(np.sum(~np.asarray(view.truncated).reshape(P, -1)[:, :k]))
         assert metrics[r][run.policies[0].name]["prp/rows"] == n_ok      # PRP trains each (non-truncated) sample
@@ -160,14 +159,15 @@ def test_text_budget_fits_the_longest_tokens():
 def test_xgrpo_follows_the_runs_scale_rewards():
     """Under scale_rewards none, XGRPO with no peer data is GRPO (before: its own scale='group' differed)."""
     from mrl_jax import probes, see
-    from mrl_jax.learner import Batch, GRPOConfig, make_grad_fn
+    from mrl_jax.learner import GRPOConfig, make_grad_fn
+    from mrl_jax.rows import own_rows
     from mrl_jax.models import tiny_model
 
     model = tiny_model("llama", 40, seed=0, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
     gd, params = nnx.split(model)
     P, G, T = 2, 4, 3
     rng = np.random.default_rng(0)
-    batch = Batch(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 2)), jnp.int32), prompt_mask=jnp.ones((P, 2), bool),
+    batch = own_rows(prompt_ids=jnp.asarray(rng.integers(1, 40, (P, 2)), jnp.int32), prompt_mask=jnp.ones((P, 2), bool),
                   completion_ids=jnp.asarray(rng.integers(1, 40, (P * G, T)), jnp.int32),
                   completion_mask=jnp.ones((P * G, T)), old_logp=jnp.zeros((P * G, T)) - 3.0,
                   ref_logp=jnp.zeros((P * G, T)), rewards=jnp.asarray([1, 0, 0, 1, 0.5, 0, 0, 0], jnp.float32),

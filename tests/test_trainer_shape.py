@@ -131,7 +131,7 @@ def test_build_view_takes_a_typed_alignment_and_rejects_a_dict():
     with pytest.raises(ValueError, match="1 rows for 2 filled slots"):
         S.build_view(buf, 0, [0], lambda texts, srcs, ids: S.ViewAlignment.identity([ids[0]]), **kw)
     view = S.build_view(buf, 0, [0], lambda texts, srcs, ids: S.ViewAlignment.identity([list(i) for i in ids]), **kw)
-    assert np.asarray(view.ids)[:2].tolist() == [[1, 2, 0, 0, 0, 0], [3, 4, 5, 0, 0, 0]]
+    assert np.asarray(view.completion_ids)[:2].tolist() == [[1, 2, 0, 0, 0, 0], [3, 4, 5, 0, 0, 0]]
     np.testing.assert_allclose(np.asarray(view.src_chunk_logp)[0, :2], [-0.5, -0.25])
 
 
@@ -146,7 +146,7 @@ def test_view_alignment_from_batches_puts_each_source_s_rows_in_place():
     a = thl.align_batch([texts[0], texts[2]], bpe, uni)
     b = thl.align_batch([texts[1]], uni, uni)
     va = S.ViewAlignment.from_batches(3, [(np.array([0, 2]), a), (np.array([1]), b)])
-    assert va.num_rows == 3 and va.dst_len.tolist() == [a.dst_lengths[0], b.dst_lengths[0], a.dst_lengths[1]]
+    assert va.num_rows == 3 and va.dst_lengths.tolist() == [a.dst_lengths[0], b.dst_lengths[0], a.dst_lengths[1]]
     for row, (src, k) in enumerate([(a, 0), (b, 0), (a, 1)]):
         n = int(src.dst_lengths[k])
         assert va.dst_ids[row, :n].tolist() == src.dst_ids[k, :n].tolist()
@@ -183,12 +183,12 @@ def test_rows_of_the_consumer_s_tokenization_keep_their_sampled_ids_and_the_othe
     assert calls == [(uni, bpe)] and len(metrics) == 1            # one THL call: the unigram peer
     for row in (0, 2, 3):                                           # own rows and the same-tokenization peer
         n = len(src_ids[row])
-        assert va.dst_len[row] == n and va.dst_ids[row, :n].tolist() == list(src_ids[row])
+        assert va.dst_lengths[row] == n and va.dst_ids[row, :n].tolist() == list(src_ids[row])
         assert va.dst_chunk[row, :n].tolist() == list(range(n)) == va.src_chunk[row, :n].tolist()
         assert va.chunk_valid[row, :n].all() and not va.chunk_valid[row, n:].any()
     ba = real([texts[1]], uni, bpe, [src_ids[1]], max_chunks=16)
     n = int(ba.dst_lengths[0])
-    assert va.dst_ids[1, :n].tolist() == ba.dst_ids[0, :n].tolist() and va.dst_len[1] == n
+    assert va.dst_ids[1, :n].tolist() == ba.dst_ids[0, :n].tolist() and va.dst_lengths[1] == n
     assert va.chunk_valid[1, :16].tolist() == ba.chunk_valid[0].tolist()
 
 

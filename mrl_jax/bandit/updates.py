@@ -88,21 +88,21 @@ def build_rows(env: E.Env, consumer, logp: jax.Array, rnd: Round, sigma, with_pe
     stats = peer_stats(rnd.rewards, i)
     if not S:
         z = jnp.zeros((0, 1))
-        view = View(ids=z.astype(jnp.int32), mask=z, dst_chunk=z.astype(jnp.int32), src_chunk_logp=z,
+        view = View(completion_ids=z.astype(jnp.int32), completion_mask=z, dst_chunk=z.astype(jnp.int32), src_chunk_logp=z,
                     chunk_valid=z.astype(bool), rewards=jnp.zeros((0,)), source=jnp.zeros((0,), jnp.int32),
-                    kind=jnp.zeros((0,), jnp.int32), prompt_slot=jnp.zeros((0,), jnp.int32),
-                    truncated=jnp.zeros((0,), bool), peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
+                    row_kind=jnp.zeros((0,), jnp.int32), prompt_slot=jnp.zeros((0,), jnp.int32),
+                    truncated=jnp.zeros((0,), bool), peer_stats=stats, consumer=i)
         return rows, view
     pj = peers_of(i, N)
     flat = lambda x: jnp.swapaxes(x, 0, 1).reshape((S,) + x.shape[3:])      # [N-1, C, G] -> s = c*Kp + k
     arms = rnd.arms[pj]
     src_lp = jnp.take_along_axis(logp[pj], arms, -1) + sigma * rnd.noise[i, pj]
-    view = View(ids=flat(arms)[:, None], mask=jnp.ones((S, 1), jnp.float32), dst_chunk=jnp.zeros((S, 1), jnp.int32),
+    view = View(completion_ids=flat(arms)[:, None], completion_mask=jnp.ones((S, 1), jnp.float32), dst_chunk=jnp.zeros((S, 1), jnp.int32),
                 src_chunk_logp=jax.lax.stop_gradient(flat(src_lp))[:, None],
                 chunk_valid=flat(rnd.valid[i, pj])[:, None], rewards=flat(rnd.rewards[pj]),
-                source=flat(jnp.broadcast_to(pj[:, None, None], arms.shape)), kind=jnp.full((S,), P.PEER, jnp.int32),
+                source=flat(jnp.broadcast_to(pj[:, None, None], arms.shape)), row_kind=jnp.full((S,), P.PEER, jnp.int32),
                 prompt_slot=jnp.repeat(jnp.arange(C, dtype=jnp.int32), Kp), truncated=jnp.zeros((S,), bool),
-                peer_stats=stats, consumer=i, tau=jnp.float32(TAU))
+                peer_stats=stats, consumer=i)
     return R.concat(rows, R.peer_rows(view, prompts, pmask)), view
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mrl_jax import grpo
-from mrl_jax.probes._probe import Probe, _id_advantages, _id_loss_terms, _scale_eps
+from mrl_jax.probes._probe import Probe, RunOptions, _id_advantages, _id_loss_terms, bind
 from mrl_jax.probes._weights import (WEIGHT_MODES, compatibility_gate, effective_sample_size, importance_weights,
                                      peer_compatibility, sgt_rescue_loss, weight_variance)
 from mrl_jax.rows import ARCHIVE, OWN, OWN_ARCHIVE, PEER, Rows, chunk_gather, chunk_sums
@@ -17,11 +17,11 @@ from mrl_jax.rows import ARCHIVE, OWN, OWN_ARCHIVE, PEER, Rows, chunk_gather, ch
 
 # ----------------------------------------------------------------------------- XGRPO / PRP advantages
 
-def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4) -> jax.Array:
+def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4, tau: float = 1.0) -> jax.Array:
     """A_r = (r - b(x)) / (s(x) + eps) with b, s pooled over own rows and every peer's group stats for the
     row's prompt (``grpo.pooled_advantages_from_stats``; equals grpo.pooled_advantages); HACPO capability
-    weights where ``rows.pool_weighted`` (any pooling probe of the chain asked for them)."""
-    kw = dict(scale=scale, eps=eps, tau=see_view.tau)
+    weights (successes: reward >= tau) where ``rows.pool_weighted`` (any pooling probe of the chain asked)."""
+    kw = dict(scale=scale, eps=eps, tau=tau)
     args = (rows.rewards, rows.prompt_slot, rows.row_kind == OWN, see_view.peer_stats)
     plain = grpo.pooled_advantages_from_stats(*args, capability_weighted=False, **kw)
     weighted = grpo.pooled_advantages_from_stats(*args, capability_weighted=True, **kw)
@@ -32,29 +32,30 @@ def _pooling(rows: Rows, capability_weighted: bool) -> Rows:
     return rows.replace(pool_weighted=rows.pool_weighted | capability_weighted) if capability_weighted else rows
 
 
-def xgrpo(scale=None, capability_weighted: bool = False, eps: Optional[float] = None) -> Probe:
+def xgrpo(scale=None, capability_weighted: bool = False, eps: Optional[float] = None, *,
+          options: Optional[RunOptions] = None) -> Probe:
     """XGRPO: own samples' advantages use a baseline/scale pooled over all policies' groups for the prompt.
-    Only own rows are trained. scale/eps: None = the run's grpo.scale_rewards / reward_eps (a different
-    explicit value is an error). capability_weighted (HACPO) turns on capability weights for every pooling
+    Only own rows are trained. scale/eps: None = the run's grpo.scale_rewards / reward_eps (``options``; a
+    different explicit value is an error). capability_weighted (HACPO) turns on capability weights for every pooling
     probe of the chain (``rows.pool_weighted``), so ``xgrpo(capability_weighted=True) + prp`` and
     ``prp + xgrpo(capability_weighted=True)`` give the same advantages: pooling probes commute.
     Metrics: xgrpo/adv_on_peer_solved, xgrpo/peer_solved_frac."""
-    if scale is not None:
-        grpo._norm_scale(scale)
+    options = bind("xgrpo", options, scale=scale, eps=eps)
+    pool = (options.scale_rewards, options.reward_eps, options.tau)
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "xgrpo", scale, eps))
+        pooled = pooled_row_advantages(rows, see_view, *pool)
         return jnp.where(rows.row_kind == OWN, pooled, adv)
 
     def extend(rows, see_view, key):
         rows = _pooling(rows, capability_weighted)
-        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "xgrpo", scale, eps))
-        solved = jnp.sum(see_view.peer_stats[..., 3], -1) > 0          # [P]
+        pooled = pooled_row_advantages(rows, see_view, *pool)
+        solved = jnp.sum(see_view.peer_stats[..., grpo.STAT_SUCCESSES], -1) > 0          # [P]
         sel = ((rows.row_kind == OWN) & solved[rows.prompt_slot]).astype(jnp.float32)
         return rows, {"xgrpo/adv_on_peer_solved": (jnp.sum(pooled * sel), jnp.sum(sel)),
                       "xgrpo/peer_solved_frac": (jnp.sum(solved.astype(jnp.float32)), jnp.float32(solved.shape[0]))}
 
-    return Probe("xgrpo", extend, advantages, _id_loss_terms)
+    return Probe("xgrpo", extend, advantages, _id_loss_terms, options=options)
 
 
 # ----------------------------------------------------------------------------- PRP
@@ -92,7 +93,7 @@ def _prp_weights(rows: Rows, cand, level: str, truncate: float, mode: str, gamma
 
 def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compat_gate: bool = False,
         delta: float = 0.8, scale=None, eps: Optional[float] = None, capability_weighted: bool = False,
-        level: str = "chunk") -> Probe:
+        level: str = "chunk", *, options: Optional[RunOptions] = None) -> Probe:
     """PRP: train on peers' current-round rollouts for the same prompt (retokenized by THL) with pooled-group
     advantages (own rows too; pooling as ``xgrpo``) and importance weights w = pi_i / pi_j.
 
@@ -117,8 +118,8 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         raise ValueError(f"prp level must be one of {PRP_LEVELS}, got {level!r}")
     if mode == "shaping" and level != "chunk":
         raise ValueError("prp mode='shaping' (LUFFY) shapes per chunk; use level='chunk'")
-    if scale is not None:
-        grpo._norm_scale(scale)
+    options = bind("prp", options, scale=scale, eps=eps)
+    pool = (options.scale_rewards, options.reward_eps, options.tau)
 
     def extend(rows, see_view, key):
         rows = _pooling(rows, capability_weighted)
@@ -145,27 +146,28 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         return rows, metrics
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, *_scale_eps(rows, "prp", scale, eps))
+        pooled = pooled_row_advantages(rows, see_view, *pool)
         use = (rows.row_kind == OWN) | ((rows.row_kind == PEER) & (rows.pg_row > 0))
         return jnp.where(use, pooled, adv)
 
     def shaping_term(logp, rows):
-        """LUFFY: -f(rho_c) A on the shaped rows' tokens (rho_c = pi_theta(chunk) / pi_j(chunk), no clip),
-        aggregated as the PG term and over its denominator (the rows' pg_row / pg_mask)."""
+        """LUFFY: -f(rho_c) A w on the shaped rows' tokens (rho_c = pi_theta(chunk) / pi_j(chunk), no clip, w the
+        row's ``aux_weight``), aggregated as the PG term and over its denominator (the rows' pg_row / pg_mask)."""
         C = rows.src_chunk_logp.shape[1]
         on = rows.aux_weight > 0
-        cl = chunk_sums(logp * rows.completion_mask, rows.dst_chunk, C)
-        s, _, _ = grpo.policy_loss(logp, jax.lax.stop_gradient(logp), rows.advantages, rows.pg_mask,
-                                   loss_type=rows.loss_type, max_completion_length=rows.max_completion_length,
-                                   weights=rows.aux_weight, row_valid=jnp.any(on, -1), shaping_mask=on,
-                                   shaping_logratio=chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk),
-                                   shaping_gamma=gamma)
-        _, d = grpo.aggregate(jnp.zeros_like(logp), rows.pg_mask, rows.loss_type, rows.max_completion_length,
-                              rows.pg_row)
+        cl = chunk_sums(logp.astype(jnp.float32) * rows.completion_mask, rows.dst_chunk, C)
+        log_rho = jnp.where(on, chunk_gather(cl - rows.src_chunk_logp, rows.dst_chunk), 0.0)
+        adv = jax.lax.stop_gradient(rows.advantages)[:, None]
+        per_token = jnp.where(on, -(grpo.policy_shaping(jnp.exp(log_rho), gamma) * adv), 0.0)
+        per_token = per_token * jax.lax.stop_gradient(rows.aux_weight)
+        s, _ = grpo.aggregate(per_token, rows.pg_mask, options.loss_type, options.max_completion_length,
+                              jnp.any(on, -1))
+        _, d = grpo.aggregate(jnp.zeros_like(per_token), rows.pg_mask, options.loss_type,
+                              options.max_completion_length, rows.pg_row)
         return s[None], d[None], {}
 
     return Probe("prp", extend, advantages, shaping_term if mode == "shaping" else _id_loss_terms,
-                 needs_peers=True, needs_peer_logp=True)
+                 needs_peers=True, needs_peer_logp=True, options=options)
 
 
 # ----------------------------------------------------------------------------- SGT
@@ -183,7 +185,7 @@ def _own_failed(rows: Rows, tau) -> jax.Array:
 
 def sgt(lam: float = 0.1, tau: Optional[float] = None, gate: str = "own_failure", rescues_per_prompt: int = 1,
         length_normalize: bool = True, compat_gate: bool = False, delta: float = 0.8,
-        normalize: str = "rescues") -> Probe:
+        normalize: str = "rescues", *, options: Optional[RunOptions] = None) -> Probe:
     """SGT: on prompts where the policy has no own success (max_g r < tau; gate="always": every prompt) and a
     peer has a verified success y* (reward >= tau, not truncated), add
     -lam * (1/D) sum_{y*} (1/|y*|) sum_t log pi_i(y*_t | x, y*_<t) over ``rescues_per_prompt`` successes drawn
@@ -191,7 +193,7 @@ def sgt(lam: float = 0.1, tau: Optional[float] = None, gate: str = "own_failure"
     ("rescues", default: a mean over rescues, so one rescue in 32 prompts carries the full lam — the
     published re-implementation's auxiliary NLL term, lam = 0.1 on the mean NLL of the rescue examples) or
     D = number of batch prompts ("prompts": the term grows with the share of prompts rescued).
-    tau: None = the run's SEE success threshold (``see_view.tau``). compat_gate (GRAFT): admit y* iff
+    tau: None = the run's SEE success threshold (``options.tau``). compat_gate (GRAFT): admit y* iff
     s > delta, weight min(s, 1). Metrics: sgt/rows_fired, sgt/prompts_failed, sgt/prompts_rescued, sgt/nll."""
     if gate not in SGT_GATES:
         raise ValueError(f"sgt gate must be one of {SGT_GATES}, got {gate!r}")
@@ -201,10 +203,11 @@ def sgt(lam: float = 0.1, tau: Optional[float] = None, gate: str = "own_failure"
         raise ValueError(f"rescues_per_prompt must be >= 1, got {rescues_per_prompt}")
     if lam < 0:
         raise ValueError(f"lam must be >= 0, got {lam}")
+    options = bind("sgt", options, tau=tau)
+    t = options.tau
 
     def extend(rows, see_view, key):
         P = rows.num_prompts
-        t = see_view.tau if tau is None else tau
         r, slot = rows.rewards, rows.prompt_slot
         failed = _own_failed(rows, t) if gate == "own_failure" else jnp.ones((P,), bool)
         cand = (((rows.row_kind == PEER) | (rows.row_kind == ARCHIVE)) & (r >= t) & ~rows.truncated
@@ -230,12 +233,14 @@ def sgt(lam: float = 0.1, tau: Optional[float] = None, gate: str = "own_failure"
             d = jnp.float32(rows.num_prompts)
         return s[None], d[None], m
 
-    return Probe("sgt", extend, _id_advantages, loss_terms, needs_peers=True, needs_peer_logp=compat_gate)
+    return Probe("sgt", extend, _id_advantages, loss_terms, needs_peers=True, needs_peer_logp=compat_gate,
+                 options=options)
 
 
 # ----------------------------------------------------------------------------- replay (own-skill anchor)
 
-def replay(lam: float = 0.1, tau: Optional[float] = None, gate: str = "always") -> Probe:
+def replay(lam: float = 0.1, tau: Optional[float] = None, gate: str = "always", *,
+           options: Optional[RunOptions] = None) -> Probe:
     """Replay of the policy's OWN verified successes archived in SEE (view slots of kind OWN_ARCHIVE): adds
     -lam * mean (1/|y|) sum_t log pi_i(y_t | x, y_<t) over them, on every batch prompt that has one
     (gate="always") or only where the current own group failed (gate="own_failure"). tau: None = the run's
@@ -245,9 +250,10 @@ def replay(lam: float = 0.1, tau: Optional[float] = None, gate: str = "always") 
         raise ValueError(f"replay gate must be one of {SGT_GATES}, got {gate!r}")
     if lam < 0:
         raise ValueError(f"lam must be >= 0, got {lam}")
+    options = bind("replay", options, tau=tau)
+    t = options.tau
 
     def extend(rows, see_view, key):
-        t = see_view.tau if tau is None else tau
         open_ = _own_failed(rows, t) if gate == "own_failure" else jnp.ones((rows.num_prompts,), bool)
         sel = ((rows.row_kind == OWN_ARCHIVE) & (rows.rewards >= t) & ~rows.truncated
                & (jnp.sum(rows.completion_mask, -1) > 0) & open_[rows.prompt_slot])
@@ -259,4 +265,4 @@ def replay(lam: float = 0.1, tau: Optional[float] = None, gate: str = "always") 
         s, d, m = sgt_rescue_loss(logp, rows.completion_mask, w, lam=lam)
         return s[None], d[None], {"replay/nll": m["sgt/nll"]}
 
-    return Probe("replay", extend, _id_advantages, loss_terms, needs_peers=True)
+    return Probe("replay", extend, _id_advantages, loss_terms, needs_peers=True, options=options)

@@ -1,16 +1,16 @@
-"""Probe specs: the registry of probe constructors, spec strings (``"xgrpo+sgt:lam=0.3"``, ``"none|sgt"``),
-their check against the run's options, and ``switch`` (one compiled update over several chains)."""
+"""Probe specs: the registry of probe constructors, spec strings (``"xgrpo+sgt:lam=0.3"``, ``"none|sgt"``) built
+with the run's options, and ``switch`` (one compiled update over several chains)."""
 
 from __future__ import annotations
 
 import ast
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
 
 from mrl_jax import grpo
 from mrl_jax.probes._kinds import prp, replay, sgt, xgrpo
-from mrl_jax.probes._probe import Probe, chain, none
+from mrl_jax.probes._probe import Probe, RunOptions, chain, none
 from mrl_jax.rows import PER_ROW
 
 REGISTRY: dict[str, Callable[..., Probe]] = {"none": none, "xgrpo": xgrpo, "prp": prp, "sgt": sgt, "replay": replay}
@@ -32,56 +32,43 @@ def _split_spec(part: str, *, strict: bool) -> tuple[str, dict[str, Any]]:
     return name.strip().lower(), kwargs
 
 
-def _parse_one(spec: str) -> Probe:
+def _parse_one(spec: str, options: Optional[RunOptions]) -> Probe:
     name, kwargs = _split_spec(spec, strict=True)
     if name not in REGISTRY:
         raise ValueError(f"unknown probe {name!r}; known: {sorted(REGISTRY)} (combine with '+', "
                          f"options as 'sgt:lam=0.3,tau=1.0')")
     try:
-        return REGISTRY[name](**kwargs)
+        return REGISTRY[name](options=options, **kwargs)
     except TypeError as e:
         raise ValueError(f"bad options for probe {name!r}: {e}") from None
 
 
-def run_option_conflicts(spec: str, *, scale_rewards: str, reward_eps: float, tau: float) -> list[str]:
-    """Explicit probe options of ``spec`` that contradict the run (scale / eps vs the GRPO options, tau vs the
-    SEE success threshold), as messages; [] when the spec agrees (options left out are taken from the run)."""
-    run = {"scale": (scale_rewards, "grpo.scale_rewards"), "eps": (reward_eps, "grpo.reward_eps"),
-           "tau": (tau, "see.success_threshold")}
-    bad = []
-    for name, kw in (_split_spec(p, strict=False) for p in filter(str.strip, spec.split("+"))):
-        for key, (value, run_key) in run.items():
-            if key in kw:
-                v = grpo._norm_scale(kw[key]) if key == "scale" else kw[key]
-                if v != value:
-                    bad.append(f"{name}:{key}={kw[key]!r} contradicts {run_key}={value!r} (drop the probe option: "
-                               "probes take it from the run)")
-    return bad
-
-
-def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None]) -> Probe:
+def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None],
+               options: Optional[RunOptions] = None) -> Probe:
     """Build a probe chain from "none" | "xgrpo" | "prp" | "sgt" | "xgrpo+sgt" | "sgt:lam=0.3" | a list |
-    a Probe; "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index)."""
+    a Probe; "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index).
+    options: the run's options, bound into every probe here (``RunOptions.of(grpo_config, tau)``); an explicit
+    probe option that contradicts them is a ValueError naming both keys. A ``Probe`` passes through as built."""
     if spec is None:
-        return none()
+        return none(options=options)
     if isinstance(spec, Probe):
         return spec
     if isinstance(spec, str) and "|" in spec:
-        return switch(*[p for p in spec.split("|") if p.strip()])
+        return switch(*[p for p in spec.split("|") if p.strip()], options=options)
     if isinstance(spec, str):
         parts = [p for p in spec.split("+") if p.strip()]
         if not parts:
             raise ValueError("empty probe spec; use 'none'")
-        return chain(*[_parse_one(p) for p in parts])
-    return chain(*[make_probe(s) for s in spec])
+        return chain(*[_parse_one(p, options) for p in parts])
+    return chain(*[make_probe(s, options) for s in spec])
 
 
-def switch(*choices) -> Probe:
+def switch(*choices, options: Optional[RunOptions] = None) -> Probe:
     """One compiled update for several probe chains: ``rows.probe_index`` (the update's ``probe_index``
     argument, a traced int) picks the chain that acts; the others run but are masked out. Costs the union
     of the chains' rows (peer slots are always assembled). E.g. ``switch("none", "xgrpo", "prp", "sgt")``.
     For library use (one compile over several chains); a run config names one chain per policy."""
-    choices = tuple(make_probe(c) for c in choices)
+    choices = tuple(make_probe(c, options) for c in choices)
     if not choices:
         raise ValueError("switch needs at least one probe")
 
@@ -115,4 +102,4 @@ def switch(*choices) -> Probe:
 
     return Probe("switch(" + ",".join(c.name for c in choices) + ")", extend, advantages, loss_terms,
                  needs_peers=any(c.needs_peers for c in choices),
-                 needs_peer_logp=any(c.needs_peer_logp for c in choices))
+                 needs_peer_logp=any(c.needs_peer_logp for c in choices), options=choices[0].options)

@@ -31,12 +31,15 @@ Byte budget: a text longer than ``max_bytes`` is cut, marked ``truncated`` and n
 Modules: ``_records`` (the records, the buffer, ``make_experience``, ``add``), ``_views`` (the per-consumer views).
 """
 
-from mrl_jax.see._records import (ARCHIVE, EMPTY, OWN_ARCHIVE, PEER, SEE, Experience, GroupStats, RolloutRecord,
+from mrl_jax.rows import ARCHIVE, EMPTY, OWN_ARCHIVE, PEER  # the row kinds (defined once, in mrl_jax.rows)
+from mrl_jax.see._records import (SEE, Experience, GroupStats, RolloutRecord,
                                   SeeView, SuccessRecord, add, decode_text, init, make_experience, text_hash)
-from mrl_jax.see._views import ViewAlignment, build_view, empty_view, make_view, peer_stats, select_peers
+from mrl_jax.see._views import (PeerSelection, ViewAlignment, build_view, empty_view, make_view, peer_stats,
+                               select_peers)
 
 __all__ = [
-    "ARCHIVE", "EMPTY", "OWN_ARCHIVE", "PEER", "SEE", "Experience", "GroupStats", "RolloutRecord", "SeeView",
+    "ARCHIVE", "EMPTY", "OWN_ARCHIVE", "PEER", "SEE", "Experience", "GroupStats", "PeerSelection", "RolloutRecord",
+    "SeeView",
     "SuccessRecord", "ViewAlignment", "add", "build_view", "decode_text", "empty_view", "init", "make_experience",
     "make_view", "peer_stats", "select_peers", "text_hash",
 ]

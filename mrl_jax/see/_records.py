@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-PEER, ARCHIVE, OWN_ARCHIVE, EMPTY = 1, 2, 3, -1      # same codes as mrl_jax.probes row kinds
 _HASH_BASE = np.uint32(16777619)
 
 
@@ -45,7 +44,7 @@ class SuccessRecord(RolloutRecord):
 
 @struct.dataclass
 class GroupStats:
-    total: jax.Array          # f32[num_prompts, N, 4]: count, sum r, sum r^2, successes
+    total: jax.Array          # f32[num_prompts, N, 4]: count, sum r, sum r^2, successes (grpo.STAT_*)
     latest: jax.Array         # f32[num_prompts, N, 4] for the latest round of each cell
     latest_round: jax.Array   # int32[num_prompts, N] (-1 = never)
 
@@ -78,29 +77,29 @@ class Experience:
 @struct.dataclass
 class SeeView:
     """What consumer i's update reads from SEE for the current batch: P prompt slots x K peer slots
-    (S = P*K rows, slot row s = p*K + k), completions THL-retokenized into i's vocabulary.
+    (S = P*K rows, slot row s = p*K + k), completions THL-retokenized into i's vocabulary, under the field names
+    of ``mrl_jax.rows.Rows`` (``rows.peer_rows`` lifts them into rows).
 
-    ids int32[S, Tc] (pad), mask f32[S, Tc], dst_chunk int32[S, Tc] (-1 = no chunk: pad, appended EOS,
-    chunk >= C), src_chunk_logp f32[S, C] (source behaviour log-prob per chunk), chunk_valid bool[S, C]
-    (False = THL residual / padding chunk), rewards f32[S], source int32[S], kind int32[S] (PEER=1
-    current-round peer rollout, ARCHIVE=2 archived success, EMPTY=-1), prompt_slot int32[S],
-    truncated bool[S] (source truncated, or retokenization longer than Tc), peer_stats f32[P, N, 4]
-    (latest-round GroupStats of every policy except the consumer, whose column is zero),
-    consumer int32[], tau f32[].
+    completion_ids int32[S, Tc] (pad), completion_mask f32[S, Tc], dst_chunk int32[S, Tc] (-1 = no chunk: pad,
+    appended EOS, chunk >= C), src_chunk_logp f32[S, C] (source behaviour log-prob per chunk), chunk_valid
+    bool[S, C] (False = THL residual / padding chunk), rewards f32[S], source int32[S], row_kind int32[S]
+    (PEER current-round peer rollout, ARCHIVE archived success, OWN_ARCHIVE own archived success, EMPTY),
+    prompt_slot int32[S], truncated bool[S] (source truncated, or retokenization longer than Tc), peer_stats
+    f32[P, N, 4] (latest-round GroupStats of every policy except the consumer, whose column is zero; columns
+    ``grpo.STAT_*``), consumer int32[].
     """
-    ids: jax.Array
-    mask: jax.Array
+    completion_ids: jax.Array
+    completion_mask: jax.Array
     dst_chunk: jax.Array
     src_chunk_logp: jax.Array
     chunk_valid: jax.Array
     rewards: jax.Array
     source: jax.Array
-    kind: jax.Array
+    row_kind: jax.Array
     prompt_slot: jax.Array
     truncated: jax.Array
     peer_stats: jax.Array
     consumer: jax.Array
-    tau: jax.Array
 
 
 # ----------------------------------------------------------------------------- construction

@@ -11,8 +11,9 @@ import dataclasses
 from typing import Any, Literal, Optional, Union
 
 from mrl_jax.configs import ConfigError, check, field
+from mrl_jax.grpo import normalize_scale
 from mrl_jax.learner import GRPOConfig
-from mrl_jax.probes import make_probe, run_option_conflicts
+from mrl_jax.probes import RunOptions, make_probe
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -432,9 +433,11 @@ class RunConfig:
             check(g is None or g == self.num_generations, f"policies[{i}].grpo.num_generations",
                   f"{g} contradicts num_generations: {self.num_generations}, which sets G for every policy; drop "
                   f"policies[{i}].grpo.num_generations")
-            bad = run_option_conflicts(p.probes, scale_rewards=p.grpo.scale_rewards, reward_eps=p.grpo.reward_eps,
-                                       tau=self.see.success_threshold)
-            check(not bad, f"policies.{i}.probes", "; ".join(bad))
+            try:   # the probes bound to this run's options: an explicit probe option must agree with them
+                make_probe(p.probes, RunOptions(scale_rewards=normalize_scale(p.grpo.scale_rewards),
+                                                reward_eps=p.grpo.reward_eps, tau=self.see.success_threshold))
+            except ValueError as e:
+                check(False, f"policies.{i}.probes", str(e))
 
 
 _OLD_GRPO_DEFAULTS = {"num_generations": 8, "max_completion_length": 64, "temperature": 1.0}

@@ -20,7 +20,7 @@ from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
-from mrl_jax.probes import Probe, make_probe
+from mrl_jax.probes import Probe, RunOptions, make_probe
 from mrl_jax.rollout import SamplingConfig
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
@@ -60,8 +60,8 @@ class Policy:
     sampling: SamplingConfig
     probe: Probe
     optimizer: Any  # optax.GradientTransformation
-    update: Callable  # (params, opt_state, Batch, SeeView, key) -> (params, opt_state, metrics)
-    ref_logp: Optional[Callable] = None  # (ref_params, Batch) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
+    update: Callable  # (params, opt_state, own Rows, SeeView, key) -> (params, opt_state, metrics)
+    ref_logp: Optional[Callable] = None  # (ref_params, own Rows) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
     mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
     rollout: Optional[Callable] = None  # (params, prompt_ids, prompt_mask, key) -> Rollout, jitted for ``mesh``
@@ -191,21 +191,21 @@ def add_lora(spec: PolicySpec, model, seed: int):
 
 
 def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Callable:
-    """``update(params, opt_state, batch, view, key)`` of a LoRA policy: ``params`` is the full state, only its
+    """``update(params, opt_state, rows, view, key)`` of a LoRA policy: ``params`` is the full state, only its
     ``nnx.LoRAParam`` leaves are differentiated and held in ``opt_state`` (the base goes to the learner as
-    ``frozen``, never donated, never copied). beta > 0: the batch's ``ref_logp`` is the base with the adapters
+    ``frozen``, never donated, never copied). beta > 0: the rows' ``ref_logp`` is the base with the adapters
     zeroed. Adapter dropout is on in this graph only, with fresh keys from ``key`` every call."""
     graphdef, _, _ = nnx.split(lora_lib.set_dropout(model, True), nnx.LoRAParam, ...)
     lora_lib.set_dropout(model, False)
     inner = make_update_step(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
     ref_logp = make_logp_fn(graphdef, grpo_cfg, micro_batch_size) if grpo_cfg.beta > 0 else None
 
-    def update(params, opt_state, batch, see_view, key, probe_index=0):
+    def update(params, opt_state, rows, see_view, key, probe_index=0):
         adapters, frozen = lora_lib.split_adapters(params)
         if ref_logp is not None:
-            batch = batch.replace(ref_logp=ref_logp(lora_lib.adapters_off(adapters), batch, frozen=frozen))
+            rows = rows.replace(ref_logp=ref_logp(lora_lib.adapters_off(adapters), rows, frozen=frozen))
         keyed = lora_lib.dropout_keys(frozen, jax.random.fold_in(key, 1))
-        adapters, opt_state, metrics = inner(adapters, opt_state, batch, see_view, key, probe_index, frozen=keyed)
+        adapters, opt_state, metrics = inner(adapters, opt_state, rows, see_view, key, probe_index, frozen=keyed)
         return nnx.merge_state(adapters, frozen), opt_state, metrics
 
     return update
@@ -245,8 +245,8 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     total = run.rounds * spec.grpo.num_iterations
     optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
-    probe = make_probe(spec.probes)
     grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
+    probe = make_probe(spec.probes, RunOptions.of(grpo_cfg, run.see.success_threshold))
     if spec.lora.rank:
         update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
     else:

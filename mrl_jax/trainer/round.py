@@ -6,8 +6,9 @@
 
 ``run_round(policies, state, inputs, scorer) -> (state, metrics, samples)`` has no hidden state: the
 arrays come in through ``RunState`` and go out in a new one; ``inputs`` (``RoundInputs``) holds the round's
-prompts, dense SEE prompt ids, key and index. Inside, each policy's pieces of the round travel in one
-``_Lane`` record. Wall time is split per phase in ``metrics[name]["time/<phase>"]``.
+prompts, dense SEE prompt ids, key and index. Each phase returns one immutable value per policy: the rewarded
+samples (``Sampled``), SEE counters, views, the staged own rows (``rows.Rows``, the record the loss reads) and
+the update's results. Wall time is split per phase in ``metrics[name]["time/<phase>"]``.
 
 Placement (MWRA, `mrl_jax.trainer.placement`): a policy with a ``mesh`` has its rollout and update jitted for
 that mesh. Its prompt rows are padded to a multiple of the data axis with copies of the last prompt (their
@@ -33,9 +34,9 @@ from flax import struct
 from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
-from mrl_jax.learner import Batch
 from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
+from mrl_jax.rows import Rows, own_rows
 from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
@@ -92,25 +93,19 @@ class PhaseTimer:
                 self._inner[-1] += took
 
 
-@dataclasses.dataclass
-class _Lane:
-    """One policy's pieces of one round, filled phase by phase (host arrays unless noted)."""
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """One policy's samples of the round on the host, once rewarded: prompt_ids int32[P, Tp] and prompt_mask
+    (prefilled once), rollout (``Rollout``: tokens int32[P*G, Tc], logprobs f32[P*G, Tc], mask, lengths,
+    truncated), texts [P*G] (decoded completions), content [P*G] (their token ids without stop token / pads),
+    score (``ScoreResult``: rewards f32[P*G], stats)."""
 
-    pol: Policy
-    ps: PolicyState
-    ids: np.ndarray = None          # int32[P, Tp] prompt ids (prefilled once)
-    mask: np.ndarray = None         # [P, Tp]
-    out: Any = None                 # Rollout: tokens int32[P*G, Tc], logprobs f32[P*G, Tc], mask, lengths, truncated
-    texts: list = None              # [P*G] decoded completions
-    content: list = None            # [P*G] content token ids (no stop token / pads)
-    score: Any = None               # ScoreResult: rewards f32[P*G], stats
-    see_info: dict = None           # SEE insertion counters
-    view: Any = None                # SeeView of this consumer
-    thl: list = dataclasses.field(default_factory=list)   # THL metrics of each align_batch call
-    staged: tuple = None            # (Batch, SeeView, update keys) on the policy's mesh
-    new_state: PolicyState = None
-    raw: dict = None                # update metrics (device, then host)
-    stamps: dict = dataclasses.field(default_factory=dict)   # seconds since the round began
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    rollout: Any
+    texts: list
+    content: list
+    score: Any
 
 
 def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list, timer: PhaseTimer):
@@ -177,32 +172,37 @@ def _iteration_keys(pol: Policy, key) -> list:
     return [_replicated(pol, jax.random.fold_in(key, it)) for it in range(pol.spec.grpo.num_iterations)]
 
 
-def _update_policy(pol: Policy, ps: PolicyState, batch: Batch, view, keys: Sequence, round_index: int):
-    """``num_iterations`` updates of one policy on its batch (reference synced as TRL's callback would);
+def _update_policy(pol: Policy, ps: PolicyState, rows: Rows, view, keys: Sequence, round_index: int):
+    """``num_iterations`` updates of one policy on its own rows (reference synced as TRL's callback would);
     ``keys``: one per iteration (`_iteration_keys`)."""
     params, opt_state, ref = ps.params, ps.opt_state, ps.ref_params
     mu = pol.spec.grpo.num_iterations
     skipped = None
     for it in range(mu):
-        params, opt_state, m = pol.update(params, opt_state, batch, view, keys[it])
+        params, opt_state, m = pol.update(params, opt_state, rows, view, keys[it])
         skipped = m["skipped"] if skipped is None else skipped + m["skipped"]   # on the mesh: no transfer
         ref = maybe_sync(pol.spec, params, ref, round_index * mu + it + 1)
     m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
     return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
 
 
-def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guard, t0: float) -> None:
-    """Every policy's rollout dispatched before any result is read; results fetched to the host, trimmed."""
-    for ln in lanes:
-        ln.ids, ln.mask, _ = encode_prompts(ln.pol.tokenizer, ln.pol.prompt_format, texts,
-                                            max_width=ln.pol.prompt_limit)   # [P, Tp]
+def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: Sequence[str], keys: Sequence,
+              guard, t0: float) -> tuple[list, list]:
+    """([(prompt_ids, prompt_mask, Rollout)] on the host, [stamps]) of every policy: every rollout dispatched
+    before any result is read; results fetched to the host, trimmed."""
+    encoded, launched, stamps = [], [], []
+    for pol, ps in zip(policies, states):
+        ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts, max_width=pol.prompt_limit)  # [P, Tp]
         with guard():
-            ln.out = _dispatch_rollout(ln.pol, ln.ps, ln.ids, ln.mask, keys[ln.pol.index])
-        ln.stamps["rollout_dispatched"] = time.perf_counter() - t0
-    for ln in lanes:
-        ln.stamps["rollout_read"] = time.perf_counter() - t0
-        ln.out = _trim(fetch(ln.pol.mesh, ln.out), len(texts) * ln.pol.num_generations)   # several processes: broadcast
-        ln.stamps["rollout_ready"] = time.perf_counter() - t0
+            launched.append(_dispatch_rollout(pol, ps, ids, mask, keys[pol.index]))
+        encoded.append((ids, mask))
+        stamps.append({"rollout_dispatched": time.perf_counter() - t0})
+    out = []
+    for pol, (ids, mask), run, st in zip(policies, encoded, launched, stamps):
+        st["rollout_read"] = time.perf_counter() - t0
+        out.append((ids, mask, _trim(fetch(pol.mesh, run), len(texts) * pol.num_generations)))  # several processes: broadcast
+        st["rollout_ready"] = time.perf_counter() - t0
+    return out, stamps
 
 
 def _accuracy(score):
@@ -210,92 +210,99 @@ def _accuracy(score):
     return getattr(score, "accuracy", None)
 
 
-def _add_experience(see, lanes: Sequence[_Lane], inputs: RoundInputs):
-    """Every policy's samples of the round into SEE (``see.add``); returns the new buffer."""
+def _add_experience(see, policies: Sequence[Policy], sampled: Sequence[Sampled], inputs: RoundInputs):
+    """Every policy's samples of the round into SEE (``see.add``); returns (the new buffer, [insertion counters])."""
     max_bytes, max_src = see.rollouts.text.shape[1], see.rollouts.src_ids.shape[1]
-    for ln in lanes:   # the behaviour density a peer's importance weight needs: the filtered one if filtering
-        lp = ln.out.sampling_logprobs if ln.pol.sampling.filters else ln.out.logprobs
-        lps = [lp[b, :len(c)] for b, c in enumerate(ln.content)]
-        rewards = gate_success(ln.score.rewards, _accuracy(ln.score), see.tau)   # success = the verifier's
-        exp = see_lib.make_experience(ln.texts, np.repeat(inputs.dense_ids, ln.pol.num_generations), ln.pol.index,
-                                      rewards, src_ids=ln.content, src_logp=lps, truncated=ln.out.truncated,
+    infos = []
+    for pol, s in zip(policies, sampled):   # the behaviour density a peer's importance weight needs: the
+        out = s.rollout                     # filtered one if filtering
+        lp = out.sampling_logprobs if pol.sampling.filters else out.logprobs
+        lps = [lp[b, :len(c)] for b, c in enumerate(s.content)]
+        rewards = gate_success(s.score.rewards, _accuracy(s.score), see.tau)   # success = the verifier's
+        exp = see_lib.make_experience(s.texts, np.repeat(inputs.dense_ids, pol.num_generations), pol.index,
+                                      rewards, src_ids=s.content, src_logp=lps, truncated=out.truncated,
                                       round=inputs.index, max_bytes=max_bytes, max_src_tokens=max_src)
-        see, ln.see_info = _see_add(see, exp)
-    return see
+        see, info = _see_add(see, exp)
+        infos.append(info)
+    return see, infos
 
 
-def _views(see, lanes: Sequence[_Lane], dense_ids: np.ndarray, timer: PhaseTimer) -> None:
-    """Each consumer's SEE view: THL-aligned peer rows when its probe needs peers, else an empty view. The
-    SEE is read to the host once for every consumer."""
-    policies, see = [ln.pol for ln in lanes], jax.device_get(see)
-    for ln in lanes:
-        pol, vs, Tc = ln.pol, ln.pol.view_shape, ln.pol.completion_length
+def _views(see, policies: Sequence[Policy], dense_ids: np.ndarray, timer: PhaseTimer) -> tuple[list, list]:
+    """([SeeView], [THL metrics of each align_batch call]) of every consumer: THL-aligned peer rows when its
+    probe needs peers, else an empty view. The SEE is read to the host once for every consumer."""
+    see = jax.device_get(see)
+    views, thl_metrics = [], []
+    for pol in policies:
+        vs, Tc, metrics = pol.view_shape, pol.completion_length, []
         if pol.probe.needs_peers:
-            ln.view = see_lib.build_view(
-                see, pol.index, dense_ids, _aligner(pol, policies, Tc, ln.thl, timer), k_rollouts=vs.peer_rollouts,
+            view = see_lib.build_view(
+                see, pol.index, dense_ids, _aligner(pol, policies, Tc, metrics, timer), k_rollouts=vs.peer_rollouts,
                 k_successes=vs.peer_successes, k_own=vs.own_successes, max_completion_len=Tc, max_chunks=Tc,
                 pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
         else:
             stats = see_lib.peer_stats(see, pol.index, dense_ids)
-            ln.view = see_lib.empty_view(len(dense_ids), vs.slots, Tc, Tc, len(lanes), consumer=pol.index,
-                                         tau=see.tau).replace(peer_stats=jnp.asarray(stats))
+            view = see_lib.empty_view(len(dense_ids), vs.slots, Tc, Tc, len(policies),
+                                      consumer=pol.index).replace(peer_stats=jnp.asarray(stats))
+        views.append(view)
+        thl_metrics.append(metrics)
+    return views, thl_metrics
 
 
-def _stage(lanes: Sequence[_Lane], keys: Sequence) -> None:
-    """Every policy's update inputs on its mesh (before any update is dispatched)."""
-    for ln in lanes:
-        pol, out, view = ln.pol, ln.out, ln.view
-        if pol.mesh is None:
-            batch = Batch(prompt_ids=jnp.asarray(ln.ids), prompt_mask=jnp.asarray(ln.mask),
-                          completion_ids=jnp.asarray(out.tokens), completion_mask=jnp.asarray(out.mask, jnp.float32),
-                          old_logp=jnp.asarray(out.logprobs), ref_logp=jnp.zeros(out.logprobs.shape, jnp.float32),
-                          rewards=jnp.asarray(ln.score.rewards), truncated=jnp.asarray(out.truncated))
-        else:   # host numpy -> the policy's mesh, rows split over the data axis where they divide it
-            batch = mwra.shard_batch(Batch(
-                prompt_ids=np.asarray(ln.ids), prompt_mask=np.asarray(ln.mask), completion_ids=np.asarray(out.tokens),
-                completion_mask=np.asarray(out.mask, np.float32), old_logp=np.asarray(out.logprobs),
-                ref_logp=np.zeros(out.logprobs.shape, np.float32), rewards=np.asarray(ln.score.rewards, np.float32),
-                truncated=np.asarray(out.truncated)), pol.mesh, strict=False)
-            view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
-        ln.staged = (batch, view, _iteration_keys(pol, keys[len(lanes) + pol.index]))
+def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> tuple:
+    """(own rows, view, update keys) of one policy on its mesh: the rows built from its rollout on the host
+    (``rows.own_rows``), then placed (rows split over the data axis where they divide it)."""
+    out = s.rollout
+    rows = own_rows(np.asarray(s.prompt_ids), np.asarray(s.prompt_mask), np.asarray(out.tokens),
+                    np.asarray(out.mask, np.float32), np.asarray(out.logprobs), np.zeros(out.logprobs.shape, np.float32),
+                    np.asarray(s.score.rewards, np.float32), np.asarray(out.truncated), consumer=pol.index)
+    if pol.mesh is None:
+        rows = jax.device_put(rows)
+    else:
+        rows = mwra.shard_batch(rows, pol.mesh, strict=False)
+        view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
+    return rows, view, _iteration_keys(pol, keys[num_policies + pol.index])
 
 
-def _updates(lanes: Sequence[_Lane], round_index: int, guard, t0: float) -> None:
-    """Every policy's update dispatched before any metric is read; the metrics fetched once."""
-    for ln in lanes:
-        batch, view, ukeys = ln.staged
+def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: Sequence[tuple], round_index: int,
+             guard, t0: float) -> tuple[list, list, list]:
+    """([new PolicyState], [update metrics on the host], [stamps]): every policy's update dispatched before any
+    metric is read; the metrics fetched once."""
+    new_states, raws, stamps = [], [], []
+    for pol, ps, (rows, view, ukeys) in zip(policies, states, staged):
         with guard():
-            if ln.ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
-                batch = batch.replace(ref_logp=ln.pol.ref_logp(ln.ps.ref_params, batch))
-            ln.new_state, ln.raw = _update_policy(ln.pol, ln.ps, batch, view, ukeys, round_index)
-        ln.stamps["update_dispatched"] = time.perf_counter() - t0
-    for ln in lanes:
-        ln.stamps["update_read"] = time.perf_counter() - t0
-        jax.block_until_ready(ln.raw)
-        ln.stamps["update_ready"] = time.perf_counter() - t0
+            if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
+                rows = rows.replace(ref_logp=pol.ref_logp(ps.ref_params, rows))
+            new, raw = _update_policy(pol, ps, rows, view, ukeys, round_index)
+        new_states.append(new)
+        raws.append(raw)
+        stamps.append({"update_dispatched": time.perf_counter() - t0})
+    for raw, st in zip(raws, stamps):
+        st["update_read"] = time.perf_counter() - t0
+        jax.block_until_ready(raw)
+        st["update_ready"] = time.perf_counter() - t0
     if jax.process_count() == 1:
-        raws = jax.device_get([ln.raw for ln in lanes])   # the round's one metrics fetch
+        raws = jax.device_get(raws)   # the round's one metrics fetch
     else:   # each policy's metrics read where its mesh is, broadcast to every process
-        raws = [fetch(ln.pol.mesh, ln.raw) for ln in lanes]
-    for ln, raw in zip(lanes, raws):
-        ln.raw = raw
+        raws = [fetch(pol.mesh, raw) for pol, raw in zip(policies, raws)]
+    return new_states, raws, stamps
 
 
-def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> dict:
+def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metrics: list, stamps: dict,
+                    inputs: RoundInputs, tau: float, times: dict) -> dict:
     """One policy's scalar metrics of the round and its per-prompt outcomes (``groups``)."""
-    r = ln.score.rewards.reshape(len(inputs.prompts), ln.pol.num_generations)
-    m = {k: float(np.asarray(v)) for k, v in ln.raw.items() if np.ndim(v) == 0}
-    m.update({k: v for k, v in ln.score.stats.items() if np.isscalar(v)})
-    acc = _accuracy(ln.score)
+    r = s.score.rewards.reshape(len(inputs.prompts), pol.num_generations)
+    m = {k: float(np.asarray(v)) for k, v in raw.items() if np.ndim(v) == 0}
+    m.update({k: v for k, v in s.score.stats.items() if np.isscalar(v)})
+    acc = _accuracy(s.score)
     success = (r if acc is None else np.asarray(acc).reshape(r.shape)) >= tau
     m.update({"reward/mean": float(r.mean()), "reward/success_rate": float(success.mean()),
-              "completion/mean_length": float(np.asarray(ln.out.lengths).mean()),
-              "completion/truncated": float(np.asarray(ln.out.truncated).mean())})
-    m.update({f"see/{k}": float(np.asarray(v)) for k, v in ln.see_info.items()})
-    m.update(_mean_metrics(ln.thl, "thl/"))
+              "completion/mean_length": float(np.asarray(s.rollout.lengths).mean()),
+              "completion/truncated": float(np.asarray(s.rollout.truncated).mean())})
+    m.update({f"see/{k}": float(np.asarray(v)) for k, v in see_info.items()})
+    m.update(_mean_metrics(thl_metrics, "thl/"))
     m.update({f"time/{k}": v for k, v in times.items()})
-    m.update({f"time/{k}": v for k, v in ln.stamps.items()})
-    # -- per-prompt outcomes (issue 16, `mrl report`'s complementarity matrix): not a scalar; RunLog writes
+    m.update({f"time/{k}": v for k, v in stamps.items()})
+    # per-prompt outcomes (`mrl report`'s complementarity matrix): not a scalar; RunLog writes
     # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
     m["groups"] = {"prompt_ids": [p.id for p in inputs.prompts], "rewards": r.tolist(), "tau": float(tau)}
     if acc is not None:   # success is the verifier's, not reward >= tau (rewards: config with other components)
@@ -318,31 +325,31 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     """
     timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
-    prompts = list(inputs.prompts)
-    lanes = [_Lane(pol=pol, ps=ps) for pol, ps in zip(policies, state.policies)]
-    keys = list(jax.random.split(inputs.key, 2 * len(policies)))   # indexed here, outside any transfer guard
+    prompts, states, N = list(inputs.prompts), state.policies, len(policies)
+    keys = list(jax.random.split(inputs.key, 2 * N))   # indexed here, outside any transfer guard
     with timer("rollout"):
-        _rollouts(lanes, [p.text for p in prompts], keys, guard, t0)
+        launched, stamps = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
     with timer("decode"):
-        for ln in lanes:
-            ln.texts, ln.content = decode_completions(ln.pol.tokenizer, ln.out.tokens, ln.out.mask,
-                                                      ln.pol.sampling.eos_ids)
+        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
+                   for pol, (_, _, out) in zip(policies, launched)]
     with timer("rewards"):
-        for ln in lanes:
-            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts,
-                                    completion_ids=ln.content)
+        scores = [scorer.score([p for p in prompts for _ in range(pol.num_generations)], texts, completion_ids=content)
+                  for pol, (texts, content) in zip(policies, decoded)]
+    sampled = [Sampled(*ln, *dec, score) for ln, dec, score in zip(launched, decoded, scores)]
     with timer("see"):   # ready before the phase ends: the views read it at once, and its time is the SEE's
-        see = jax.block_until_ready(_add_experience(state.see, lanes, inputs))
+        see, see_infos = _add_experience(state.see, policies, sampled, inputs)
+        see = jax.block_until_ready(see)
     with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"
-        _views(see, lanes, inputs.dense_ids, timer)
+        views, thl_metrics = _views(see, policies, inputs.dense_ids, timer)
     with timer("stage"):
-        _stage(lanes, keys)
+        staged = [_stage(pol, s, view, keys, N) for pol, s, view in zip(policies, sampled, views)]
     with timer("update"):
-        _updates(lanes, inputs.index, guard, t0)
+        new_states, raws, update_stamps = _updates(policies, states, staged, inputs.index, guard, t0)
     metrics, samples = {}, []
-    for ln in lanes:
-        metrics[ln.pol.name] = _lane_metrics(ln, inputs, see.tau, timer.times)
-        G = ln.pol.num_generations
-        samples += [{"policy": ln.pol.name, "prompt": p.text, "answer": p.answer, "completion": ln.texts[k * G],
-                     "reward": float(ln.score.rewards[k * G])} for k, p in enumerate(prompts[:num_samples_logged])]
-    return RunState(policies=tuple(ln.new_state for ln in lanes), see=see), metrics, samples
+    for i, (pol, s) in enumerate(zip(policies, sampled)):
+        metrics[pol.name] = _policy_metrics(pol, s, raws[i], see_infos[i], thl_metrics[i],
+                                            {**stamps[i], **update_stamps[i]}, inputs, see.tau, timer.times)
+        G = pol.num_generations
+        samples += [{"policy": pol.name, "prompt": p.text, "answer": p.answer, "completion": s.texts[k * G],
+                     "reward": float(s.score.rewards[k * G])} for k, p in enumerate(prompts[:num_samples_logged])]
+    return RunState(policies=tuple(new_states), see=see), metrics, samples
