@@ -14,7 +14,8 @@ G 8 in one micro-batch) is lowered on abstract params / optimizer state / batch 
         --completions 1024 --variants remat+blockwise --fsdp 8      # per device, params/optimizer sharded
 
 Prints one JSON line per measurement: temp_gb (temporaries), args_gb, out_gb, alias_gb, total_gb =
-args + out + temp - alias (the step's peak estimate).
+args + out + temp - alias (the step's peak estimate), state_gb (params + AdamW state). The figures come from
+the library's memory plan (``mrl_jax.mwra.memory_plan.step_memory``, the one ``mrl train`` checks a run with).
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from mrl_jax import learner, see
 from mrl_jax.models.config import ModelConfig
 from mrl_jax.models.factory import abstract_model
 from mrl_jax.mwra import sharding
+from mrl_jax.mwra.memory_plan import step_memory, tree_bytes
+from mrl_jax.trainer.memory import abstract_batch
 
 SHAPES = {
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
@@ -42,16 +44,6 @@ SHAPES = {
 }
 VARIANTS = {"none": ("none", "dense"), "remat": ("full", "dense"), "remat+blockwise": ("full", "blockwise")}
 _GB = 1e9
-
-
-def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> learner.Batch:
-    """A ``learner.Batch`` of ShapeDtypeStructs: P prompts of Tp tokens x G completions of Tc tokens."""
-    sd = jax.ShapeDtypeStruct
-    n = P * G
-    return learner.Batch(prompt_ids=sd((P, Tp), jnp.int32), prompt_mask=sd((P, Tp), jnp.bool_),
-                         completion_ids=sd((n, Tc), jnp.int32), completion_mask=sd((n, Tc), jnp.float32),
-                         old_logp=sd((n, Tc), jnp.float32), ref_logp=sd((n, Tc), jnp.float32),
-                         rewards=sd((n,), jnp.float32), truncated=sd((n,), jnp.bool_))
 
 
 def _placed(tree, shardings):
@@ -75,11 +67,8 @@ def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_b
         ps = sharding.param_shardings(params, mesh)
         params, opt_state = _placed(params, ps), _placed(opt_state, sharding.opt_state_shardings(opt_state, ps, mesh))
         batch = _placed(batch, jax.tree.map(lambda _: sharding.batch_sharding(mesh), batch))
-    mem = update.lower(params, opt_state, batch, view, key).compile().memory_analysis()
-    out = dict(temp=mem.temp_size_in_bytes, args=mem.argument_size_in_bytes, out=mem.output_size_in_bytes,
-               alias=mem.alias_size_in_bytes)
-    out["total"] = out["args"] + out["out"] + out["temp"] - out["alias"]
-    return out
+    mem = step_memory(update, params, opt_state, batch, view, key)
+    return dict(mem._asdict(), total=mem.peak, state=tree_bytes(params) + tree_bytes(opt_state))
 
 
 def rows(models, completions, variants, prompt: int = 256, prompts: int = 2, generations: int = 8,
