@@ -23,6 +23,7 @@ import argparse
 import json
 
 import jax
+import numpy as np
 from flax import nnx
 
 from mrl_jax import learner, see
@@ -66,7 +67,7 @@ def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_b
     view = jax.eval_shape(lambda: see.empty_view(P, slots, Tc, Tc, 2))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     if fsdp > 1:
-        mesh = jax.make_mesh((fsdp,), ("data",))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:fsdp]), ("data",))
         ps = sharding.param_shardings(params, mesh)
         params, opt_state = _placed(params, ps), _placed(opt_state, sharding.opt_state_shardings(opt_state, ps, mesh))
         batch, view, key = placed(batch, mesh), placed(view, mesh), placed(key, mesh)

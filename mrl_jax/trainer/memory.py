@@ -138,7 +138,7 @@ def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]
     bad = over_limit(groups, figures, limit)
     if bad:
         lines = [fix_line(run, i, figures[i], limit, source, *ctx[i], template[i]) for i in bad]
-        raise ConfigError(" | ".join(lines))
+        raise ConfigError("\n".join(lines))
     return MemoryPlan(figures=tuple(figures), limit=limit, source=source)
 
 
