@@ -137,7 +137,7 @@ def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]
     groups = [p.device_ids for p in placement.plan.policies]
     bad = over_limit(groups, figures, limit)
     if bad:
-        lines = [fix_line(run, i, figures[i], limit, source, *ctx[i], template[i]) for i in bad]
+        lines = [fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad]
         raise ConfigError("\n".join(lines))
     return MemoryPlan(figures=tuple(figures), limit=limit, source=source)
 
@@ -148,9 +148,11 @@ def micro_batch_candidates(rows: int, G: int) -> list[int]:
     return sorted({m for m in range(1, rows) if (m % G == 0 and rows % m == 0) or G % m == 0})
 
 
-def fix_line(run, i: int, fig: PolicyMemory, limit: int, source: str, mesh, inputs, sampler, state) -> str:
-    """One line: the policy's figure, the limit and every computed fix."""
-    pol, spec = run.policies[i], run.policies[i].spec
+def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, source: str, mesh, inputs, sampler,
+             state) -> str:
+    """One line: policy i's figure, the limit and every computed fix (a micro-batch fits when every device of
+    the policy fits with the policies that time-share it)."""
+    pol, spec, fig = run.policies[i], run.policies[i].spec, figures[i]
     key = f"policies.{pol.name}"
     mb_now = spec.optimizer.micro_batch_size or run.cfg.prompts_per_round * pol.num_generations
     rows = run.cfg.prompts_per_round * pol.num_generations
@@ -163,7 +165,7 @@ def fix_line(run, i: int, fig: PolicyMemory, limit: int, source: str, mesh, inpu
         return seen[m]
 
     fits = largest_fitting([m for m in micro_batch_candidates(rows, pol.num_generations) if m < mb_now],
-                           lambda m: at(m).total <= limit)
+                           lambda m: i not in over_limit(groups, [*figures[:i], at(m), *figures[i + 1:]], limit))
     fixes = [f"set {key}.optimizer.micro_batch_size: {fits} (compiled: {gb(seen[fits].total)})" if fits else
              "no micro_batch_size fits (smallest compiled: "
              f"{gb(min(f.total for f in seen.values()))})"]
