@@ -19,6 +19,7 @@ from mrl_jax.rows import own_rows
 
 A = importlib.import_module("mrl_jax.models.attention")
 flash = importlib.import_module("mrl_jax.models.flash")
+layers = importlib.import_module("mrl_jax.models.layers")
 SCALE = 0.35
 
 
@@ -140,3 +141,27 @@ def test_bad_remat_and_attention_names_are_one_line_errors():
         tiny_model("llama", 32, remat="some")
     with pytest.raises(ValueError, match="attention must be"):
         tiny_model("llama", 32, attention="fast")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2"])
+def test_row_chunked_mlp_update_gradients_equal_unchunked(family, monkeypatch):
+    """The MLP computed 5 rows at a time (28 completion rows, 10 prompt rows: chunks that do not divide) gives
+    the unchunked update's loss and gradients."""
+    kw = dict(vocab_size=61, num_layers=2, remat="full")
+    monkeypatch.setattr(layers, "MLP_CHUNK_ROWS", 0)
+    loss0, g0 = _update_grads(tiny_model(family, **kw))
+    monkeypatch.setattr(layers, "MLP_CHUNK_ROWS", 5)
+    model = tiny_model(family, **kw)
+    assert layers.mlp_chunk(model.config) == 5
+    loss1, g1 = _update_grads(model)
+    assert float(loss0) == pytest.approx(float(loss1), rel=1e-6)
+    _rel_close(g0, g1, 1e-6)
+
+
+def test_row_chunked_equals_the_function_and_is_off_without_remat():
+    x = jnp.asarray(np.random.RandomState(1).randn(11, 3), jnp.float32)
+    w = jnp.asarray(np.random.RandomState(2).randn(3, 4), jnp.float32)
+    f = lambda r: jnp.tanh(r @ w)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(layers.row_chunked(f, x, 4)), np.asarray(f(x)), rtol=1e-6, atol=1e-7)
+    assert layers.row_chunked(f, x, 0).shape == (11, 4)
+    assert layers.mlp_chunk(tiny_model("llama", 32).config) == 0

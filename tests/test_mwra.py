@@ -130,17 +130,18 @@ def test_invalid_requests_name_the_fix():
 
 def test_memory_check():
     gib = 1 << 30
-    # 1.5B params -> 16 B/param * 1.25 = 30 GB: fits on 6 x 16 GiB, not on 1 x 16 GiB
+    # 1.5B params -> 16 B/param = 24 GB: fits on 6 x 16 GiB, not on 1 x 16 GiB
     p = plan([1.0, 3.0], fakes(8), param_counts=[5 * 10**8, 15 * 10**8], memory_bytes=16 * gib)
     assert p.policies[1].memory_bytes_per_device == mwra.estimate_memory_bytes(15 * 10**8, 6)
-    assert mwra.estimate_memory_bytes(10**9, 2) == math.ceil(16 * 10**9 * 1.25 / 2)
+    assert mwra.estimate_memory_bytes(10**9, 2) == math.ceil(16 * 10**9 / 2)
+    assert mwra.estimate_memory_bytes(10**9, 2, activation_bytes=10**9) == math.ceil(17 * 10**9 / 2)
     assert mwra.estimate_memory_bytes(10**9, 1, activation_bytes=0) == 16 * 10**9
     with pytest.raises(ValueError, match=r"needs >= 2 device\(s\).*add devices"):
         plan([3.0, 1.0], fakes(2), param_counts=[15 * 10**8, 10**6], memory_bytes=16 * gib)
     # time-sharing one device: the residents add up, and the fix offered is time_share='full'
     with pytest.raises(ValueError, match="do not fit together.*time_share='full'"):
-        plan([1.0, 1.0, 1.0], fakes(2), param_counts=[5 * 10**8] * 3, memory_bytes=16 * gib)
-    plan([1.0, 1.0, 1.0], fakes(2), param_counts=[5 * 10**8] * 3, memory_bytes=16 * gib, time_share="full")
+        plan([1.0, 1.0, 1.0], fakes(2), param_counts=[6 * 10**8] * 3, memory_bytes=16 * gib)
+    plan([1.0, 1.0, 1.0], fakes(2), param_counts=[6 * 10**8] * 3, memory_bytes=16 * gib, time_share="full")
 
 
 def test_plan_table_and_dict():

@@ -64,7 +64,6 @@ def test_device_overrides_counts_and_ids():
     ({"policies.0.devices": [9]}, "policies.llama_bpe.devices", "does not exist"),
     ({"policies.0.devices": 5, "policies.1.devices": 4}, "policies[*].devices", "remain"),
     ({"mwra": {"devices": 16}}, "mwra.devices", "only 8 exist"),
-    ({"mwra": {"memory_gb": 1e-6}}, "mwra.memory_gb", "need"),
     ({"mwra": {"rules": [["kernel", "sideways"]]}}, "mwra.rules[0]", "spec"),
     ({"mwra": {"time_share": "spread"}}, "mwra.time_share", "not one of"),
 ])

@@ -16,7 +16,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
-from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense
+from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense, mlp_chunk, row_chunked
 from .rope import rope_table
 
 
@@ -88,9 +88,12 @@ class DecoderMLP(nnx.Module):
             self.gate_proj = Linear(d, f, use_bias=b, cfg=cfg, rngs=rngs)
             self.up_proj = Linear(d, f, use_bias=b, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(f, d, use_bias=b, cfg=cfg, rngs=rngs)
-        self.act, self.fused, self.f = cfg.hidden_act, cfg.fused_projections, f
+        self.act, self.fused, self.f, self.chunk = cfg.hidden_act, cfg.fused_projections, f, mlp_chunk(cfg)
 
     def __call__(self, x):
+        return row_chunked(self._rows, x, self.chunk)
+
+    def _rows(self, x):
         if self.fused:
             gu = self.gate_up_proj(x)
             gate, up = gu[:, :self.f], gu[:, self.f:]

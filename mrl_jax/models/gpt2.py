@@ -12,7 +12,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
-from .layers import CausalLM, Embed, LayerNorm, Linear, activation, dense
+from .layers import CausalLM, Embed, LayerNorm, Linear, activation, dense, mlp_chunk, row_chunked
 
 
 class GPT2Attention(nnx.Module):
@@ -37,9 +37,12 @@ class GPT2MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.c_fc = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=True, cfg=cfg, rngs=rngs)
         self.c_proj = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=True, cfg=cfg, rngs=rngs)
-        self.act = cfg.hidden_act
+        self.act, self.chunk = cfg.hidden_act, mlp_chunk(cfg)
 
     def __call__(self, x):
+        return row_chunked(self._rows, x, self.chunk)
+
+    def _rows(self, x):
         return self.c_proj(activation(self.act)(self.c_fc(x)))
 
 

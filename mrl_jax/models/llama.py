@@ -11,7 +11,7 @@ from flax import nnx
 
 from .attention import apply_rope, attention, rope_cos_sin
 from .config import ModelConfig, rope_inv_freq
-from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense
+from .layers import CausalLM, Embed, Linear, RMSNorm, activation, dense, mlp_chunk, row_chunked
 
 
 class LlamaAttention(nnx.Module):
@@ -44,9 +44,12 @@ class LlamaMLP(nnx.Module):
         self.gate_proj = Linear(d, f, use_bias=b, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(d, f, use_bias=b, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(f, d, use_bias=b, cfg=cfg, rngs=rngs)
-        self.act = cfg.hidden_act
+        self.act, self.chunk = cfg.hidden_act, mlp_chunk(cfg)
 
     def __call__(self, x):
+        return row_chunked(self._rows, x, self.chunk)
+
+    def _rows(self, x):
         return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -6,7 +6,6 @@ policy's jitted step is launched before any is awaited (`dispatch_all`), so poli
 run at the same time. Multi-host uses `jax.distributed` (`initialize_distributed`); see docs/multihost.md.
 """
 from mrl_jax.mwra.allocation import (
-    ACTIVATION_FRACTION,
     BYTES_PER_PARAM_TRAINING,
     Plan,
     PolicyPlan,
@@ -38,7 +37,7 @@ from mrl_jax.mwra.sharding import (
 )
 
 __all__ = [
-    "ACTIVATION_FRACTION", "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "REPLICATED",
+    "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "REPLICATED",
     "DistributedInfo", "Plan", "PolicyPlan", "allocate", "batch_sharding", "batch_shardings", "devices_of",
     "dispatch_all", "estimate_memory_bytes", "initialize_distributed", "jit_for_mesh", "opt_state_shardings",
     "param_shardings", "path_str", "plan", "proportional_split", "put", "shard_batch", "shard_opt_state",

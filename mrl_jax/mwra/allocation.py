@@ -16,10 +16,10 @@ Time-sharing (``D < N``). Two modes, chosen by ``time_share``:
   Use it when a policy's parameters + optimizer state do not fit on one device.
 
 Memory estimate (per device, bytes), used by `Plan` and by the ``memory_bytes`` check:
-``(params + grads + AdamW mu + AdamW nu) = 16 B/param in fp32``, plus activations (``activation_bytes`` when
-given, else ``ACTIVATION_FRACTION`` x the former -- a rough placeholder: pass real numbers when known),
-all divided by the mesh size (FSDP shards parameters/optimizer state and the batch over the data axis).
-Policies that time-share a device add up.
+``(params + grads + AdamW mu + AdamW nu) = 16 B/param in fp32``, plus ``activation_bytes`` when given (none
+otherwise: the state alone), all divided by the mesh size (FSDP shards parameters/optimizer state and the
+batch over the data axis). Policies that time-share a device add up. ``mrl train`` does not use this
+estimate: it checks the compiled steps' own figures (`mrl_jax.mwra.memory_plan`, `mrl_jax.trainer.memory`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import numpy as np
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 params + fp32 grads + AdamW mu + nu
-ACTIVATION_FRACTION = 0.25  # default activation estimate, as a fraction of the params+optimizer bytes
 TIME_SHARE_MODES = ("pack", "full")
 _GIB = float(1 << 30)
 
@@ -193,7 +192,7 @@ def _sort_devices(devices: Sequence[Any]) -> list[Any]:
 def estimate_memory_bytes(param_count: int, num_devices: int = 1, activation_bytes: int | None = None) -> int:
     """Per-device training memory of one policy sharded (FSDP) over ``num_devices`` (see module doc)."""
     state = BYTES_PER_PARAM_TRAINING * int(param_count)
-    act = int(ACTIVATION_FRACTION * state) if activation_bytes is None else int(activation_bytes)
+    act = 0 if activation_bytes is None else int(activation_bytes)
     return int(math.ceil((state + act) / max(1, num_devices)))
 
 
@@ -218,7 +217,7 @@ def plan(
       names: per-policy names for the table (default ``policy0, policy1, ...``).
       axis_names: mesh axis names; all devices go on the first axis, the others have size 1.
       memory_bytes: per-device memory limit; when given, a plan whose estimate exceeds it raises.
-      activation_bytes: per-policy activation bytes (whole batch) overriding the default estimate.
+      activation_bytes: per-policy activation bytes (whole batch) added to the state estimate.
       time_share: "pack" or "full" -- what to do when devices < policies (see module doc).
       assign: per-policy overrides: ``None`` (sized by cost), an int (that many devices) or a sequence of
         device ids (exactly those). Id lists are taken first; counts and cost-sized policies share the

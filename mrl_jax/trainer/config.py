@@ -325,8 +325,9 @@ class MwraSpec:
              "'fsdp' (largest divisible dim over the data axis), 'replicated', or a PartitionSpec as a list "
              "(e.g. [null, 'data']). Paths look like 'layers/0/attn/q_proj/kernel'")
     min_size: int = field(1 << 16, help="leaves with fewer elements are replicated whatever the rules say")
-    memory_gb: float = field(0.0, help="per-device memory (GiB) the plan's estimate must fit; 0 = what the device "
-                                       "reports (accelerators), no check where it reports nothing (CPU)")
+    memory_gb: float = field(0.0, help="per-device memory (GiB) each policy's compiled update and sampler must fit "
+                                       "(checked at start, with the fixes); 0 = what the device reports "
+                                       "(accelerators), no compile and no check where it reports nothing (CPU)")
 
     def __post_init__(self):
         if not isinstance(self.devices, str):

@@ -26,6 +26,7 @@ from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
                                    log_hook)
 from mrl_jax.trainer.metrics import RunLog
+from mrl_jax.trainer.memory import plan_memory
 from mrl_jax.trainer.placement import fetch, placement_summary
 from mrl_jax.trainer.policy import Policy, param_count
 from mrl_jax.trainer.round import RunState, run_round
@@ -186,6 +187,10 @@ def _write_plan(out: Path, run: Run, progress: bool) -> None:
             print(str(plan), flush=True)
         (out / "plan.txt").write_text(str(plan) + "\n")
         (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+    if run.memory is not None:
+        if progress:
+            print(str(run.memory), flush=True)
+        (out / "memory_plan.json").write_text(json.dumps(run.memory.to_dict(), indent=2))
 
 
 def _sft_figures(losses: Sequence[float]) -> dict:
@@ -236,6 +241,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     try:
         latest = _resume_round(ckpt, out, cfg, resume)
         run = Run(cfg, task=task)
+        run.memory = plan_memory(run)   # compiled before any RL work; ConfigError when it does not fit
         state, start = _start(run, ckpt, out, latest)
     except BaseException:
         ckpt.close()

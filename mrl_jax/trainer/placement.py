@@ -2,8 +2,8 @@
 
 At start `make_placement` computes `mwra.plan` from each policy's cost (parameters x tokens per round, or the
 policy's ``cost`` override) over ``jax.devices()`` (``mwra.devices``: all, or the first N), honouring the
-per-policy ``devices`` overrides, and checks the memory estimate against the per-device memory
-(``mwra.memory_gb``, else what the device reports). Errors are one line naming the config key.
+per-policy ``devices`` overrides. Errors are one line naming the config key. Memory is checked afterwards
+against the compiled steps (`mrl_jax.trainer.memory.plan_memory`).
 
 `Placement.place(i, state)` puts policy i's params, optimizer state and reference params (when held) on
 its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FSDP for large leaves,
@@ -33,9 +33,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.rollout import generate
-
-_GIB = float(1 << 30)
-
 
 def config_rules(rules: Sequence[Sequence[Any]]) -> tuple:
     """``mwra.rules`` from the config (``[[regex, 'fsdp' | 'replicated' | [axes...]], ...]``) followed by the
@@ -124,26 +121,18 @@ def policy_cost(spec, params: int, prompts_per_round: int, num_generations: int,
 def plan_run(cfg, param_counts: Sequence[int], prompt_tokens: Sequence[float],
              devices: Optional[Sequence[Any]] = None) -> mwra.Plan:
     """The run's `mwra.Plan` (no device touched: fake devices with ``.id`` work); ``ConfigError`` naming the
-    key for every infeasible request (overlapping or unknown ids, more devices than exist, no fit)."""
+    key for every infeasible request (overlapping or unknown ids, more devices than exist)."""
     specs = cfg.policies
     names = [s.name for s in specs]
     devs = run_devices(cfg.mwra, devices)
     costs = [policy_cost(s, n, cfg.prompts_per_round, cfg.num_generations, t)
              for s, n, t in zip(specs, param_counts, prompt_tokens)]
     assign = [s.devices for s in specs]
-    if cfg.mwra.memory_gb:
-        memory = int(cfg.mwra.memory_gb * _GIB)
-        mem_key = "mwra.memory_gb"
-    else:
-        memory = device_memory_bytes(devs)
-        mem_key = "mwra.memory_gb (0 = the device's reported memory)"
     try:
-        p = mwra.plan(costs, devs, [int(n) for n in param_counts], names, memory_bytes=memory,
-                      time_share=cfg.mwra.time_share, assign=assign if any(a is not None for a in assign) else None)
+        p = mwra.plan(costs, devs, [int(n) for n in param_counts], names, time_share=cfg.mwra.time_share,
+                      assign=assign if any(a is not None for a in assign) else None)
     except ValueError as e:
         msg = str(e)
-        if "memory_bytes" in msg:
-            raise ConfigError(f"config key '{mem_key}': {msg}") from e
         bad = next((n for n in names if f"policy {n!r}" in msg), None)
         key = f"policies.{bad}.devices" if bad else "policies[*].devices"
         raise ConfigError(f"config key '{key}': {msg}") from e
@@ -243,13 +232,18 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
 def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
-    repl = NamedSharding(mesh, mwra.REPLICATED)
     rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
-    inner: Callable = policy.update
-    update = jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
-                     out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
-    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update)
+    return dataclasses.replace(policy, mesh=mesh, rollout=rollout,
+                               update=pin_update(policy.update, mesh, state_shardings))
+
+
+def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:
+    """``inner(params, opt_state, batch, view, key)`` jitted with params / opt state kept as placed
+    (``state_shardings``) and donated, metrics replicated on ``mesh``."""
+    repl = NamedSharding(mesh, mwra.REPLICATED)
+    return jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
+                   out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
 
 
 __all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "make_placement", "mesh_generate", "pad_prompts", "pad_rows",
-           "param_devices", "pin_policy", "placement_summary", "plan_run", "policy_cost", "run_devices"]
+           "param_devices", "pin_policy", "pin_update", "placement_summary", "plan_run", "policy_cost", "run_devices"]

@@ -68,6 +68,7 @@ class Policy:
     num_generations: int = 1  # G: completions per prompt
     view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
+    update_for: Optional[Callable] = None  # micro_batch_size -> unpinned update (the memory plan compiles it)
 
     @property
     def name(self) -> str:
@@ -190,13 +191,20 @@ def add_lora(spec: PolicySpec, model, seed: int):
         raise ConfigError(f"config key 'policies.{spec.name}.{key}': {msg}") from e
 
 
-def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Callable:
-    """``update(params, opt_state, rows, view, key)`` of a LoRA policy: ``params`` is the full state, only its
-    ``nnx.LoRAParam`` leaves are differentiated and held in ``opt_state`` (the base goes to the learner as
-    ``frozen``, never donated, never copied). beta > 0: the rows' ``ref_logp`` is the base with the adapters
-    zeroed. Adapter dropout is on in this graph only, with fresh keys from ``key`` every call."""
+def lora_graphdef(model):
+    """The graph a LoRA policy's update differentiates: ``nnx.LoRAParam`` leaves first, dropout on (``model``
+    is left with dropout off)."""
     graphdef, _, _ = nnx.split(lora_lib.set_dropout(model, True), nnx.LoRAParam, ...)
     lora_lib.set_dropout(model, False)
+    return graphdef
+
+
+def _lora_update(graphdef, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Callable:
+    """``update(params, opt_state, rows, view, key)`` of a LoRA policy (``graphdef``: `lora_graphdef`):
+    ``params`` is the full state, only its ``nnx.LoRAParam`` leaves are differentiated and held in
+    ``opt_state`` (the base goes to the learner as ``frozen``, never donated, never copied). beta > 0: the
+    rows' ``ref_logp`` is the base with the adapters zeroed. Adapter dropout is on in this graph only, with
+    fresh keys from ``key`` every call."""
     inner = make_update_step(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
     ref_logp = make_logp_fn(graphdef, grpo_cfg, micro_batch_size) if grpo_cfg.beta > 0 else None
 
@@ -209,6 +217,14 @@ def _lora_update(model, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Ca
         return nnx.merge_state(adapters, frozen), opt_state, metrics
 
     return update
+
+
+def update_factory(model, lora: bool, optimizer, probe, grpo_cfg) -> Callable[[int], Callable]:
+    """``micro_batch_size -> update`` of a policy built on ``model`` (a LoRA one when ``lora``); the memory
+    plan compiles it at other micro-batch sizes. Holds the graph only, never the weights."""
+    graphdef = lora_graphdef(model) if lora else nnx.graphdef(model)
+    make = _lora_update if lora else make_update_step
+    return lambda micro_batch_size: make(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
 
 
 def prompt_limit(spec: PolicySpec, model) -> int:
@@ -247,10 +263,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
     grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
     probe = make_probe(spec.probes, RunOptions.of(grpo_cfg, run.see.success_threshold))
-    if spec.lora.rank:
-        update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)
-    else:
-        update = make_update_step(graphdef, optimizer, probe, grpo_cfg, opt.micro_batch_size)
+    update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg)
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
     model_vocab = model.config.vocab_size
@@ -264,12 +277,12 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
         else None  # a LoRA policy's reference (adapters off) is scored inside its update
     see = run.see
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update, ref_logp=ref_logp,
+                    probe=probe, optimizer=optimizer, update=update_for(opt.micro_batch_size), ref_logp=ref_logp,
                     prompt_format=prompt_format, num_generations=run.num_generations,
                     view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
                                          peer_successes=see.peer_successes_per_prompt,
                                          own_successes=see.own_successes_per_prompt),
-                    prompt_limit=limit)
+                    prompt_limit=limit, update_for=update_for)
     return policy, params
 
 

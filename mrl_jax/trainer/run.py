@@ -111,6 +111,7 @@ class Run:
         self._abstract = [jax.eval_shape(lambda p, pol=pol: pol.init_state(p, p if holds_reference(pol.spec) else None),
                                          params) for pol, params in zip(self.policies, self._weights)]
         self.placement: Placement | None = None
+        self.memory = None   # the compiled memory plan (trainer.memory.plan_memory), set by `train`
         if place:
             self.placement = make_placement(cfg, [param_count(s) for s in self._abstract], self._mean_prompt_tokens(),
                                             devices)

@@ -1,0 +1,149 @@
+"""Memory planned from the compiled programs: XLA's ``memory_analysis()`` of a policy's jitted steps.
+
+A step lowered on abstract inputs (``jax.ShapeDtypeStruct`` with shardings; nothing is allocated) and compiled
+reports its per-device bytes: arguments, outputs, temporaries and the outputs aliased to donated arguments
+(`step_memory`). A policy's per-device need (`PolicyMemory`) is its resident state (params, optimizer state,
+reference params) plus the larger transient of its steps (update: batch, SEE view, gradients, activations;
+sampler: prompts, KV cache, logits), both from those figures. Policies that time-share a device keep their
+states there together and run their steps one after another (`device_use`).
+
+    mem = step_memory(jax.jit(update, donate_argnums=(0, 1)), params, opt_state, batch, view, key)
+    mem.temp, mem.peak        # bytes per device
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+
+_GB = 1e9
+
+
+class StepMemory(NamedTuple):
+    """``compiled.memory_analysis()`` of one step, bytes per device."""
+
+    args: int
+    out: int
+    temp: int
+    alias: int
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs + temporaries - outputs aliased to donated arguments."""
+        return self.args + self.out + self.temp - self.alias
+
+
+def step_memory(fn: Callable, *args) -> Optional[StepMemory]:
+    """The compiled memory of jitted ``fn`` on ``args`` (arrays or ``ShapeDtypeStruct``s); None when the
+    backend reports no analysis."""
+    mem = fn.lower(*args).compile().memory_analysis()
+    if mem is None:
+        return None
+    return StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
+                      temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes))
+
+
+def tree_bytes(tree) -> int:
+    """Bytes per device of a pytree of arrays / ``ShapeDtypeStruct``s: a sharded leaf counts its largest
+    shard (``sharding.shard_shape``), an unsharded one its whole size."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = tuple(x.shape)
+        sh = getattr(x, "sharding", None)
+        if sh is not None and shape:
+            shape = tuple(sh.shard_shape(shape))
+        total += math.prod(shape) * x.dtype.itemsize
+    return int(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMemory:
+    """One policy's per-device bytes on its mesh: resident state and its steps' compiled figures."""
+
+    name: str
+    params: int
+    optimizer: int
+    reference: int
+    update: StepMemory
+    sampler: Optional[StepMemory] = None
+
+    @property
+    def state(self) -> int:
+        """Resident between steps: params + optimizer state + reference params."""
+        return self.params + self.optimizer + self.reference
+
+    @property
+    def transient(self) -> int:
+        """What a step adds to the resident state at its peak (the larger of update and sampler)."""
+        upd = self.update.peak - self.params - self.optimizer
+        smp = 0 if self.sampler is None else self.sampler.peak - self.params
+        return max(upd, smp, 0)
+
+    @property
+    def total(self) -> int:
+        """This policy alone on a device of its mesh."""
+        return self.state + self.transient
+
+    def to_dict(self) -> dict:
+        out = {"params_bytes": self.params, "optimizer_bytes": self.optimizer, "reference_bytes": self.reference,
+               "update": self.update._asdict(), "total_bytes": self.total}
+        if self.sampler is not None:
+            out["sampler"] = self.sampler._asdict()
+        return out
+
+    def line(self) -> str:
+        """``name: params X + optimizer X + reference X; update temporaries X (peak X); sampler ...; total X``."""
+        s = (f"{self.name}: params {gb(self.params)} + optimizer {gb(self.optimizer)} + reference "
+             f"{gb(self.reference)}; update temporaries {gb(self.update.temp)} (step peak {gb(self.update.peak)})")
+        if self.sampler is not None:
+            s += f"; sampler temporaries (KV cache included) {gb(self.sampler.temp)}"
+        return s + f"; total {gb(self.total)} per device"
+
+
+def gb(b: float) -> str:
+    return f"{b / _GB:.3g} GB"
+
+
+def device_use(groups: Sequence[Sequence[int]], figures: Sequence[PolicyMemory]) -> dict[int, int]:
+    """Bytes per device id: the states of every policy on it plus the largest transient among them (steps on
+    one device run one after another). ``groups[i]``: policy i's device ids."""
+    use: dict[int, list] = {}
+    for ids, f in zip(groups, figures):
+        for d in ids:
+            use.setdefault(d, []).append(f)
+    return {d: sum(f.state for f in fs) + max(f.transient for f in fs) for d, fs in use.items()}
+
+
+def over_limit(groups: Sequence[Sequence[int]], figures: Sequence[PolicyMemory], limit: int) -> list[int]:
+    """Indices of the policies on a device whose `device_use` exceeds ``limit`` bytes."""
+    use = device_use(groups, figures)
+    return [i for i, ids in enumerate(groups) if any(use[d] > limit for d in ids)]
+
+
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
+    """The largest ``c`` in ``candidates`` with ``fits(c)``, by bisection (``fits`` monotone: a smaller
+    candidate needs no more memory); None when none fits."""
+    cands = sorted(set(int(c) for c in candidates))
+    lo, hi, best = 0, len(cands) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(cands[mid]):
+            best, lo = cands[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def devices_needed(state: int, devices: int, transient: int, limit: int) -> Optional[int]:
+    """The fewest devices of a data/FSDP mesh on which the state (``state`` bytes per device on ``devices``
+    now, sharded evenly) plus ``transient`` fits ``limit``; None when the transient alone does not fit."""
+    room = limit - transient
+    if room <= 0:
+        return None
+    return max(1, math.ceil(state * devices / room))
+
+
+__all__ = ["PolicyMemory", "StepMemory", "device_use", "devices_needed", "gb", "largest_fitting", "over_limit",
+           "step_memory", "tree_bytes"]

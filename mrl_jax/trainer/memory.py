@@ -1,0 +1,237 @@
+"""``mrl train``'s memory plan: each policy's update and sampler compiled ahead of time on its mesh.
+
+At start (before any warm start or round) `plan_memory` lowers every policy's pinned update and sampler on
+abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
+buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
+XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). With the persistent compilation cache on, the
+first round loads these programs instead of compiling them again.
+
+When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;
+CPU reports none), so a CPU run without ``memory_gb`` compiles nothing extra. A plan that does not fit
+raises ``ConfigError`` with one line per policy: the figure, the device memory and the fixes, each computed
+from further compiles: the largest ``optimizer.micro_batch_size`` that fits (bisection over sizes), whether
+``model.remat: full`` fits, how many devices the policy needs, whether LoRA (rank 16) fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from mrl_jax import mwra
+from mrl_jax import see as see_lib
+from mrl_jax.configs import ConfigError
+from mrl_jax.models import lora as lora_lib
+from mrl_jax.models.factory import build_model
+from mrl_jax.mwra.memory_plan import (PolicyMemory, devices_needed, gb, largest_fitting, over_limit, step_memory,
+                                      tree_bytes)
+from mrl_jax.rollout import bucket_length
+from mrl_jax.rows import Rows, own_rows
+from mrl_jax.trainer.encoding import PROMPT_BUCKETS
+from mrl_jax.trainer.placement import _mesh_rollout, device_memory_bytes, pad_rows, pin_update
+from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
+from mrl_jax.trainer.policy import add_lora, update_factory
+
+LORA_RANK = 16   # the rank the LoRA fix is computed at
+
+
+def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> Rows:
+    """The own ``Rows`` of P prompts of Tp tokens x G completions of Tc tokens, as ShapeDtypeStructs."""
+    z = jnp.zeros
+    n = P * G
+    return jax.eval_shape(lambda: own_rows(z((P, Tp), jnp.int32), z((P, Tp), jnp.bool_), z((n, Tc), jnp.int32),
+                                           z((n, Tc), jnp.float32), z((n, Tc), jnp.float32), z((n, Tc), jnp.float32),
+                                           z((n,), jnp.float32), z((n,), jnp.bool_)))
+
+
+def placed(tree, mesh):
+    """``tree``'s ShapeDtypeStructs with the round's shardings on ``mesh`` (rows split where they divide)."""
+    sh = mwra.batch_shardings(tree, mesh, strict=False)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-policy compiled figures, the per-device limit they were checked against (None: not checked)."""
+
+    figures: tuple
+    limit: Optional[int]
+    source: str
+
+    def __str__(self) -> str:
+        lim = "not checked" if self.limit is None else f"limit {gb(self.limit)} per device ({self.source})"
+        return "\n".join([f"memory plan (XLA memory_analysis of the compiled steps), {lim}:"]
+                         + ["  " + f.line() for f in self.figures])
+
+    def to_dict(self) -> dict:
+        return {"limit_bytes": self.limit, "source": self.source,
+                "policies": {f.name: f.to_dict() for f in self.figures}}
+
+
+def prompt_width(run, pol) -> int:
+    """The widest prompt array the round can give ``pol``: its longest train prompt, bucketed and capped as
+    ``encoding.encode_prompts`` does."""
+    seqs = pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts])
+    longest = max(1, max(len(s) for s in seqs))
+    return max(longest, min(bucket_length(longest, PROMPT_BUCKETS), pol.prompt_limit))
+
+
+def _key(mesh):
+    k = jax.eval_shape(lambda: jax.random.key(0))
+    return jax.ShapeDtypeStruct(k.shape, k.dtype, sharding=NamedSharding(mesh, mwra.REPLICATED))
+
+
+def _update_inputs(run, pol, mesh, Tp: int):
+    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.completion_length
+    view = jax.eval_shape(lambda: see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, len(run.policies),
+                                                     consumer=pol.index))
+    return placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh)
+
+
+def _sampler(run, pol, mesh, params, Tp: int):
+    rows = pad_rows(run.cfg.prompts_per_round, int(mesh.devices.size))
+    ids = placed(jax.ShapeDtypeStruct((rows, Tp), jnp.int32), mesh)
+    mask = placed(jax.ShapeDtypeStruct((rows, Tp), jnp.bool_), mesh)
+    return step_memory(_mesh_rollout(mesh, pol.graphdef, pol.sampling, pol.num_generations), params, ids, mask,
+                       _key(mesh))
+
+
+def _figure(pol, state, update, inputs, sampler) -> Optional[PolicyMemory]:
+    """``pol``'s figures with ``update`` (pinned) on ``state`` (placed ShapeDtypeStructs)."""
+    upd = step_memory(update, state.params, state.opt_state, *inputs)
+    if upd is None:
+        return None
+    return PolicyMemory(name=pol.name, params=tree_bytes(state.params), optimizer=tree_bytes(state.opt_state),
+                        reference=tree_bytes(state.ref_params), update=upd, sampler=sampler)
+
+
+def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]:
+    """The run's memory plan (see module doc); None where no limit is known. ``ConfigError`` when it does not
+    fit, one line per policy that does not."""
+    cfg, placement = run.cfg, run.placement
+    if placement is None:
+        return None
+    if cfg.mwra.memory_gb:
+        limit, source = int(cfg.mwra.memory_gb * (1 << 30)), "mwra.memory_gb"
+    else:
+        devs = devices or [d for m in placement.meshes for d in m.devices.flat]
+        limit, source = device_memory_bytes(devs), "reported by the device"
+    if not limit:
+        return None
+    template = run.state_template().policies
+    figures, ctx = [], []
+    for i, pol in enumerate(run.policies):
+        mesh, Tp = placement.meshes[i], prompt_width(run, pol)
+        inputs = _update_inputs(run, pol, mesh, Tp)
+        sampler = _sampler(run, pol, mesh, template[i].params, Tp)
+        f = _figure(pol, template[i], pol.update, inputs, sampler)
+        if f is None:
+            return None
+        figures.append(f)
+        ctx.append((mesh, inputs, sampler))
+    groups = [p.device_ids for p in placement.plan.policies]
+    bad = over_limit(groups, figures, limit)
+    if bad:
+        lines = [fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad]
+        raise ConfigError("\n".join(lines))
+    return MemoryPlan(figures=tuple(figures), limit=limit, source=source)
+
+
+def micro_batch_candidates(rows: int, G: int) -> list[int]:
+    """Micro-batch sizes below ``rows`` worth compiling: whole groups (multiples of G dividing the rows) and the
+    divisors of G."""
+    return sorted({m for m in range(1, rows) if (m % G == 0 and rows % m == 0) or G % m == 0})
+
+
+def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, source: str, mesh, inputs, sampler,
+             state) -> str:
+    """One line: policy i's figure, the limit and every computed fix (a micro-batch fits when every device of
+    the policy fits with the policies that time-share it)."""
+    pol, spec, fig = run.policies[i], run.policies[i].spec, figures[i]
+    key = f"policies.{pol.name}"
+    mb_now = spec.optimizer.micro_batch_size or run.cfg.prompts_per_round * pol.num_generations
+    rows = run.cfg.prompts_per_round * pol.num_generations
+    seen: dict[int, PolicyMemory] = {mb_now: fig}
+
+    def at(m: int) -> PolicyMemory:
+        if m not in seen:
+            seen[m] = _figure(pol, state, pin_update(pol.update_for(m), mesh, state_shardings(state)), inputs,
+                              sampler)
+        return seen[m]
+
+    fits = largest_fitting([m for m in micro_batch_candidates(rows, pol.num_generations) if m < mb_now],
+                           lambda m: i not in over_limit(groups, [*figures[:i], at(m), *figures[i + 1:]], limit))
+    fixes = [f"set {key}.optimizer.micro_batch_size: {fits} (compiled: {gb(seen[fits].total)})" if fits else
+             "no micro_batch_size fits (smallest compiled: "
+             f"{gb(min(f.total for f in seen.values()))})"]
+    smallest = min(seen.values(), key=lambda f: f.transient)
+    n = devices_needed(fig.state, int(mesh.devices.size), smallest.transient, limit)
+    fixes.append(f"{n} device(s) for it (has {mesh.devices.size}; policies.{pol.name}.devices or mwra.devices)"
+                 if n else "no device count fits (the step's transient alone exceeds the limit)")
+    fixes.extend(_model_fixes(run, i, limit, mesh, inputs, sampler, mb_now))
+    return (f"config key '{key}': needs {gb(fig.total)} per device ({fig.line()}) but the device memory is "
+            f"{gb(limit)} ({source}); fixes: " + "; ".join(fixes))
+
+
+def state_shardings(state):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def _model_fixes(run, i: int, limit: int, mesh, inputs, sampler, mb: int) -> list[str]:
+    """Whether ``model.remat: full`` (when not set) and LoRA (when not used) fit, compiled at micro-batch ``mb``."""
+    pol, spec = run.policies[i], run.policies[i].spec
+    out = []
+    config = getattr(nnx.merge(pol.graphdef, run.state_template().policies[i].params), "config", None)
+    if config is None:
+        return out
+    if spec.model.remat != "full":
+        f = _rebuilt(run, i, dataclasses.replace(config, remat="full"), bool(spec.lora.rank), mesh, inputs, sampler,
+                     mb)
+        out.append(f"model.remat: full {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
+    if not spec.lora.rank:
+        f = _rebuilt(run, i, config, True, mesh, inputs, sampler, mb)
+        out.append(f"lora.rank: {LORA_RANK} {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
+    return out
+
+
+def _abstract(spec, config, lora: bool):
+    """Abstract model of ``config`` with the policy's LoRA adapters (``lora`` and ``spec.lora.rank``) or rank
+    `LORA_RANK` ones on the default targets (``lora`` only)."""
+    def build():
+        model = build_model(config)
+        if lora and spec.lora.rank:
+            return add_lora(spec, model, 0)
+        if lora:
+            return lora_lib.apply_lora(model, rank=LORA_RANK, alpha=2.0 * LORA_RANK, targets=LORA_DEFAULT_TARGETS,
+                                       strict=False)
+        return model
+    return nnx.eval_shape(build)
+
+
+def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) -> PolicyMemory:
+    """Figures of policy i rebuilt abstractly from model ``config`` (with LoRA adapters when ``lora``, see
+    `_abstract`), at micro-batch ``mb``: optimizer over the trainable leaves, no reference params for LoRA
+    (its reference is the base with adapters off)."""
+    pol = run.policies[i]
+    model = _abstract(pol.spec, config, lora)
+    params = nnx.state(model)
+    trainable = lora_lib.split_adapters(params)[0] if lora else params
+    opt_state = jax.eval_shape(pol.optimizer.init, trainable)
+    ps = mwra.param_shardings(params, mesh, run.placement.rules, min_size=run.placement.min_size)
+    os = mwra.opt_state_shardings(opt_state, ps, mesh)
+    put = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)  # noqa
+    ref = None if lora or pol.spec.grpo.beta == 0 else put(params, ps)
+    state = type(run.state_template().policies[i])(params=put(params, ps), opt_state=put(opt_state, os),
+                                                   ref_params=ref)
+    make = update_factory(model, lora, pol.optimizer, pol.probe,
+                          pol.spec.grpo.resolved(pol.num_generations, pol.completion_length,
+                                                 pol.sampling.temperature))
+    return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
+
+
+__all__ = ["LORA_RANK", "MemoryPlan", "abstract_batch", "fix_line", "micro_batch_candidates", "placed",
+           "plan_memory", "prompt_width"]

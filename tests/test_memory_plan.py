@@ -1,0 +1,126 @@
+"""The memory plan of ``mrl train`` (mrl_jax.mwra.memory_plan, mrl_jax.trainer.memory): figures from XLA's
+compiled memory analysis of each policy's steps, a stop before any RL work with the computed fixes."""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import soak
+from mrl_jax import mwra
+from mrl_jax.configs import ConfigError
+from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, device_use, devices_needed, largest_fitting,
+                                      over_limit, tree_bytes)
+from mrl_jax.trainer import memory
+from mrl_jax.trainer.run import Run
+
+GIB = 1 << 30
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+
+
+def one_policy(**overrides):
+    cfg = soak.tiny_config(**overrides)
+    cfg["policies"] = cfg["policies"][:1]
+    cfg["policies"][0]["probes"] = "none"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def planned():
+    run = Run(soak.to_run_config(one_policy(mwra={"memory_gb": 64.0})))
+    return run, memory.plan_memory(run)
+
+
+def test_plan_figures_are_the_compiled_update_on_real_arrays(planned):
+    run, plan = planned
+    pol, f = run.policies[0], plan.figures[0]
+    state = run.initial_state().policies[0]
+    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.completion_length
+    Tp = memory.prompt_width(run, pol)
+    shapes = memory.abstract_batch(P, G, Tp, Tc)
+    mesh = run.placement.meshes[0]
+    batch = mwra.shard_batch(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), mesh, strict=False)
+    view = mwra.to_mesh(memory.see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, 1), mesh)
+    key = jax.random.key(0)
+    mem = pol.update.lower(state.params, state.opt_state, batch, view, key).compile().memory_analysis()
+    assert f.update.temp == mem.temp_size_in_bytes > 0
+    assert f.update.args == mem.argument_size_in_bytes and f.update.alias == mem.alias_size_in_bytes
+    assert f.params == sum(x.nbytes for x in jax.tree.leaves(state.params))
+    assert f.optimizer == sum(x.nbytes for x in jax.tree.leaves(state.opt_state)) and f.reference == 0
+    assert f.total == f.state + f.transient and f.total <= plan.limit
+    assert "update temporaries" in str(plan) and "llama_bpe" in str(plan)
+
+
+def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tmp_path):
+    run, plan = planned
+    pol, full = run.policies[0], plan.figures[0]
+    G = pol.num_generations
+    rows = run.cfg.prompts_per_round * G
+    limit = full.total - 1   # the run's own micro-batch (all rows) misses by one byte
+    limit_gb = limit / GIB
+    from mrl_jax.trainer.loop import train
+
+    with pytest.raises(ConfigError) as e:   # stops at start: nothing is written past the plan
+        train(soak.to_run_config(one_policy(mwra={"memory_gb": limit_gb})), tmp_path / "run", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "'policies.llama_bpe'" in msg and "lora.rank: 16" in msg, msg
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    m = int(re.search(r"optimizer\.micro_batch_size: (\d+)", msg).group(1))
+    assert G <= m < rows and m in memory.micro_batch_candidates(rows, G)
+    n = int(re.search(r"(\d+) device\(s\) for it", msg).group(1))
+    assert n >= 1
+    # the fix, applied, passes the same check
+    rerun = Run(soak.to_run_config(one_policy(mwra={"memory_gb": limit_gb},
+                                              **{"policies.0.optimizer": {"learning_rate": 1e-3,
+                                                                          "micro_batch_size": m}})))
+    fixed = memory.plan_memory(rerun)
+    assert fixed.figures[0].total <= int(limit_gb * GIB) < full.total and fixed.limit == int(limit_gb * GIB)
+
+
+def test_cpu_without_memory_gb_compiles_nothing():
+    run = Run(soak.to_run_config(one_policy()))
+    assert memory.plan_memory(run) is None
+
+
+# ---------------------------------------------------------------------------------- pure parts
+def _fig(name, state, transient):
+    upd = StepMemory(args=state, out=0, temp=transient, alias=0)
+    return PolicyMemory(name=name, params=state, optimizer=0, reference=0, update=upd)
+
+
+def test_time_shared_devices_add_states_and_keep_the_largest_transient():
+    a, b = _fig("a", 10, 5), _fig("b", 20, 7)
+    assert a.total == 15 and b.total == 27
+    use = device_use([(0,), (0, 1)], [a, b])
+    assert use == {0: 10 + 20 + 7, 1: 27}
+    assert over_limit([(0,), (0, 1)], [a, b], 36) == [0, 1]
+    assert over_limit([(0,), (1,)], [a, b], 27) == []
+
+
+def test_largest_fitting_bisects_a_monotone_predicate():
+    calls = []
+
+    def fits(m):
+        calls.append(m)
+        return m <= 6
+
+    assert largest_fitting([1, 2, 4, 6, 8, 12], fits) == 6 and len(calls) <= 3
+    assert largest_fitting([4, 8], lambda m: False) is None
+    assert memory.micro_batch_candidates(16, 4) == [1, 2, 4, 8]
+    assert memory.micro_batch_candidates(12, 4) == [1, 2, 4]
+
+
+def test_devices_needed_shards_the_state():
+    assert devices_needed(state=30, devices=1, transient=5, limit=15) == 3      # 30/3 + 5 <= 15, 30/2 + 5 > 15
+    assert devices_needed(state=10, devices=2, transient=5, limit=15) == 2
+    assert devices_needed(state=10, devices=1, transient=15, limit=15) is None
+
+
+def test_tree_bytes_counts_a_shard_per_device():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",))
+    sd = jax.ShapeDtypeStruct((8, 3), np.float32, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    assert tree_bytes({"a": sd, "b": jax.ShapeDtypeStruct((5,), np.int8)}) == 8 * 3 * 4 + 5
