@@ -223,8 +223,9 @@ def timeshare(root: Path) -> dict:
 
 
 def mp_config():
-    """One policy per process: equal costs on 8 global devices (4 per process) give 4 + 4."""
-    d = soak.tiny_config(rounds=3, **{"policies.0.cost": 1.0, "policies.1.cost": 1.0})
+    """8 global devices (4 per process): llama_bpe on the first 6 (all of process 0's and 2 of process 1's: a
+    mesh spanning both processes), gpt2_uni on the last 2 (inside process 1)."""
+    d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2})
     d["mwra"] = dict(MWRA)
     d["report_to"] = ["jsonl"]
     return soak.to_run_config(d)

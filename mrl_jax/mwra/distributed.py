@@ -101,3 +101,24 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout, **extra)
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+
+
+_BARRIERS: dict = {}
+
+
+def barrier(name: str, process_ids=None, timeout_s: float = 3600.0) -> None:
+    """Wait until every process in ``process_ids`` (default: all) reaches its same-numbered ``name`` barrier.
+
+    Through the coordination service (``jax.distributed``), not the devices, so it never interleaves with a
+    program's collectives. Each call gets the next number for ``(name, process_ids)``: the processes must make
+    the same sequence of calls. A no-op in a single-process run."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    procs = tuple(sorted(process_ids)) if process_ids is not None else None
+    n = _BARRIERS[(name, procs)] = _BARRIERS.get((name, procs), -1) + 1
+    label = "all" if procs is None else "-".join(map(str, procs))
+    client.wait_at_barrier(f"{name}.{label}.{n}", int(timeout_s * 1000),
+                           None if procs is None or len(procs) == jax.process_count() else list(procs))
