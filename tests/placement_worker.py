@@ -4,6 +4,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py restore4 DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mpresume DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR
 
@@ -22,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-if len(sys.argv) > 4 and sys.argv[1] == "mp":   # join the two-process run before any other JAX call
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]))
+if len(sys.argv) > 4 and sys.argv[1] in ("mp", "mpresume"):   # join the two-process run before any other JAX call
+    from mrl_jax.mwra import initialize_distributed
+
+    initialize_distributed(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]), heartbeat_timeout_s=10)
 
 import numpy as np  # noqa: E402
 
@@ -232,10 +234,13 @@ def mp_config():
 
 
 def mp(root: Path) -> dict:
-    """2 rounds, then resumed to the config's 3 (restore onto the host, then placed on the meshes)."""
-    import dataclasses
+    """The whole run (the test kills process 1 after the first checkpoint)."""
+    s = train(mp_config(), root / "mp", progress=False)
+    return {"process": jax.process_index(), "rounds": s["rounds"]}
 
-    train(dataclasses.replace(mp_config(), rounds=2), root / "mp", progress=False)
+
+def mpresume(root: Path) -> dict:
+    """Resumed to the config's 3 rounds (restore onto the host, then placed on the meshes)."""
     s = train(mp_config(), root / "mp", resume=True, progress=False)
     return {"process": jax.process_index(), "num_devices": len(jax.devices()), "resumed_from": s["resumed_from"],
             "local_devices": [d.id for d in jax.local_devices()],
@@ -249,6 +254,7 @@ def mpref(root: Path) -> dict:
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref,
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpresume": mpresume,
+              "mpref": mpref,
               "invariance": invariance}[mode](root)
     worker_result.write(result)
