@@ -289,3 +289,23 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     assert ra == rb == 2 and a.keys() == b.keys() and len(a) > 0
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
     assert (tmp_path / "mp" / "summary.json").exists()   # written by process 0 only
+
+
+def test_lost_process_line_names_the_process_and_the_complete_checkpoint(tmp_path, monkeypatch):
+    """The survivor's line: the dead task's id parsed from either form of JAX's error, the newest *complete*
+    checkpoint (orbax's temporary folder of a later round ignored), the resume command."""
+    from mrl_jax.mwra.distributed import lost_process_line
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/mrl", "train", "--config", "run.yaml", "--out", str(tmp_path)])
+    for name in ("2", "3", "4.orbax-checkpoint-tmp-17", "notes"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    polled = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have "
+              "crashed. Check the task logs")
+    barrier = "INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout."
+    for err in (polled, barrier):
+        line = lost_process_line(err, tmp_path)
+        assert line.startswith("mrl train: process 1 of ") and "\n" not in line
+        assert f"checkpoint of round 3 in {tmp_path / 'checkpoints'} is intact" in line
+        assert line.endswith(f"restart every process with mrl train --config run.yaml --out {tmp_path} --resume")
+    line = lost_process_line("UNAVAILABLE: failed to connect to all addresses", tmp_path / "new")
+    assert "the coordinator (process 0) or another process" in line and "no checkpoint was complete yet" in line
