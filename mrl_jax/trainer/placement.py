@@ -19,6 +19,10 @@ replicated below ``mwra.min_size`` elements). `pin_policy` gives the policy its 
 
 Everything crossing meshes or host <-> device goes through `mwra.put` / `mwra.to_mesh` (explicit
 ``device_put``), so a round runs under ``jax.transfer_guard("disallow")``.
+
+Several processes: a mesh may span them. `fetch` reads every step's outputs on every process (replicated over a
+spanning mesh, broadcast where a process holds none of it) and `lockstep` launches a spanning mesh's steps
+together (docs/multihost.md).
 """
 
 from __future__ import annotations
