@@ -227,7 +227,8 @@ def timeshare(root: Path) -> dict:
 def mp_config():
     """8 global devices (4 per process): llama_bpe on the first 6 (all of process 0's and 2 of process 1's: a
     mesh spanning both processes), gpt2_uni on the last 2 (inside process 1)."""
-    d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2})
+    d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2,
+                                       "policies.0.grpo": {"beta": 0.04}})   # a KL reference on the spanning mesh
     d["mwra"] = dict(MWRA)
     d["report_to"] = ["jsonl"]
     return soak.to_run_config(d)

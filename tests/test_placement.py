@@ -236,7 +236,8 @@ def _metrics_close(a: Path, b: Path, tol: float = 1e-5) -> None:
 
 def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo, 10 s heartbeat);
-    llama_bpe's mesh spans both processes (6 devices: 4 + 2), gpt2_uni's lies inside process 1 (2 devices).
+    llama_bpe's mesh (with a KL reference) spans both processes (6 devices: 4 + 2), gpt2_uni's lies inside
+    process 1 (2 devices).
     Process 1 is killed (-9) after the first checkpoint: process 0 prints one line naming it, the intact
     checkpoint and the resume, and exits with `mwra.LOST_EXIT_CODE`. Both resumed to 3 rounds equal an
     uninterrupted single-process 8-device run: the same records (no duplicate, none missing), final params
@@ -270,7 +271,7 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     local = [sorted(r["local_devices"]) for r in results]
     for r in results:   # read back from the arrays on both processes
         pl = r["placement"]
-        assert pl["llama_bpe"]["param_devices"] == sorted(local[0] + local[1][:2])
+        assert pl["llama_bpe"]["param_devices"] == pl["llama_bpe"]["ref_devices"] == sorted(local[0] + local[1][:2])
         assert pl["gpt2_uni"]["param_devices"] == local[1][2:]
     ref = _worker("mpref", tmp_path, 8)
     assert ref["placement"]["llama_bpe"]["devices"] == [0, 1, 2, 3, 4, 5]

@@ -102,6 +102,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     except AttributeError:
         pass
     extra = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
+    _WATCH["heartbeat_s"] = heartbeat or 100
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout, **extra)
@@ -135,7 +136,8 @@ def barrier(name: str, process_ids=None, timeout_s: float = 3600.0) -> None:
 
 
 LOST_EXIT_CODE = 75   # a process of the run was lost: resume every process (EX_TEMPFAIL)
-_WATCH: dict = {"out": None, "thread": None, "closing": False}
+_WATCH: dict = {"out": None, "thread": None, "closing": False, "failed": False, "heartbeat_s": 100}
+_LOST = ("heartbeat", "unhealthy", "crashed")   # in the coordination service's error of a dead process
 
 
 def watch_run(out_dir) -> None:
@@ -154,13 +156,20 @@ def watch_run(out_dir) -> None:
     if _WATCH["thread"] is not None:
         return
     atexit.register(_stop_watch)
+    hook = sys.excepthook
+
+    def failed(*exc):   # an uncaught error (a collective that lost its peer): let the watchdog speak at exit
+        _WATCH["failed"] = True
+        hook(*exc)
+
+    sys.excepthook = failed
     me, n = jax.process_index(), jax.process_count()
 
     def wait():
         try:
             client.wait_at_barrier(f"mrl.watch.{me}", 30 * 24 * 3600 * 1000, list(range(n)))
         except Exception as e:  # noqa: BLE001 -- any error of the coordination service ends the run
-            if not _WATCH["closing"]:
+            if not _WATCH["closing"] or any(w in str(e) for w in _LOST):
                 print(lost_process_line(str(e), _WATCH["out"]), file=sys.stderr, flush=True)
                 os._exit(LOST_EXIT_CODE)
 
@@ -170,8 +179,11 @@ def watch_run(out_dir) -> None:
 
 def _stop_watch() -> None:
     """At exit: leave the run (``jax.distributed.shutdown`` ends the watchdog's barrier), then let the watchdog
-    return before the interpreter tears its thread down."""
+    return before the interpreter tears its thread down. After an uncaught error, first give a dead peer's
+    heartbeat timeout the time to reach the watchdog (shutting down would abort on it without the line)."""
     _WATCH["closing"] = True
+    if _WATCH["failed"]:   # a peer may be dead: its heartbeat timeout ends the watchdog (line, exit 75) first
+        _WATCH["thread"].join(timeout=_WATCH["heartbeat_s"] + 10)
     jax.distributed.shutdown()
     _WATCH["thread"].join(timeout=10)
 

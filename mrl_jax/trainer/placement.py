@@ -307,7 +307,8 @@ def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     update = lockstep(mesh, jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
                                     out_shardings=(state_shardings.params, state_shardings.opt_state, repl),
                                     donate_argnums=(0, 1)))
-    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update)
+    ref_logp = None if policy.ref_logp is None else lockstep(mesh, policy.ref_logp)
+    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update, ref_logp=ref_logp)
 
 
 __all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "lockstep", "make_placement", "mesh_generate",
