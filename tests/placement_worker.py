@@ -4,6 +4,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py restore4 DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/placement_worker.py timeshare DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mp DIR PROCESS_ID PORT
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mpresume DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR
 
@@ -22,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-if len(sys.argv) > 4 and sys.argv[1] == "mp":   # join the two-process run before any other JAX call
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]))
+if len(sys.argv) > 4 and sys.argv[1] in ("mp", "mpresume"):   # join the two-process run before any other JAX call
+    from mrl_jax.mwra import initialize_distributed
+
+    initialize_distributed(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]), heartbeat_timeout_s=10)
 
 import numpy as np  # noqa: E402
 
@@ -223,18 +225,23 @@ def timeshare(root: Path) -> dict:
 
 
 def mp_config():
-    """One policy per process: equal costs on 8 global devices (4 per process) give 4 + 4."""
-    d = soak.tiny_config(rounds=3, **{"policies.0.cost": 1.0, "policies.1.cost": 1.0})
+    """8 global devices (4 per process): llama_bpe on the first 6 (all of process 0's and 2 of process 1's: a
+    mesh spanning both processes), gpt2_uni on the last 2 (inside process 1)."""
+    d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2,
+                                       "policies.0.grpo": {"beta": 0.04}})   # a KL reference on the spanning mesh
     d["mwra"] = dict(MWRA)
     d["report_to"] = ["jsonl"]
     return soak.to_run_config(d)
 
 
 def mp(root: Path) -> dict:
-    """2 rounds, then resumed to the config's 3 (restore onto the host, then placed on the meshes)."""
-    import dataclasses
+    """The whole run (the test kills process 1 after the first checkpoint)."""
+    s = train(mp_config(), root / "mp", progress=False)
+    return {"process": jax.process_index(), "rounds": s["rounds"]}
 
-    train(dataclasses.replace(mp_config(), rounds=2), root / "mp", progress=False)
+
+def mpresume(root: Path) -> dict:
+    """Resumed to the config's 3 rounds (restore onto the host, then placed on the meshes)."""
     s = train(mp_config(), root / "mp", resume=True, progress=False)
     return {"process": jax.process_index(), "num_devices": len(jax.devices()), "resumed_from": s["resumed_from"],
             "local_devices": [d.id for d in jax.local_devices()],
@@ -248,6 +255,7 @@ def mpref(root: Path) -> dict:
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
-    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpref": mpref,
+    result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpresume": mpresume,
+              "mpref": mpref,
               "invariance": invariance}[mode](root)
     worker_result.write(result)

@@ -4,8 +4,10 @@ a round under ``jax.transfer_guard("disallow")``, dispatch order, 8-vs-1-device 
 8-device checkpoint onto 4 devices."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,35 +199,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
-    """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo), one policy per process,
-    2 rounds then resumed to 3; the final params equal an uninterrupted single-process 8-device run (1e-5)."""
+def _start_two(mode: str, root: Path) -> tuple[list, list]:
+    """placement_worker ``mode`` as 2 local CPU processes x 4 forced devices (gloo); (processes, result paths)."""
+    port = _free_port()
+    env = dict(soak.forced_devices_env(4), **soak.compile_cache_env())
+    paths = [root / f"{mode}{i}.result.json" for i in range(2)]
+    return [subprocess.Popen([sys.executable, str(WORKER), mode, str(root), str(i), str(port)],
+                             env=worker_result.env_for(env, paths[i]), cwd=str(REPO), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)], paths
+
+
+def _kill_after_first_checkpoint(procs: list, ckpts: Path, timeout: float = 900) -> None:
+    """kill -9 process 1 once the run's first checkpoint is complete (orbax's bare step folder)."""
+    deadline = time.monotonic() + timeout
+    while not (ckpts / "0").is_dir():
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert time.monotonic() < deadline, "no checkpoint of round 0"
+        time.sleep(0.1)
+    procs[1].kill()
+
+
+def _metrics_close(a: Path, b: Path, tol: float = 1e-5) -> None:
+    """Two runs' metrics.jsonl: same records and keys, numbers within ``tol`` (relative) -- the spanning update's
+    reductions (entropy) run in another order than on one process; wall-clock figures dropped."""
+    ra = [soak.strip_times(r) for r in soak.read_jsonl(a / "metrics.jsonl")]
+    rb = [soak.strip_times(r) for r in soak.read_jsonl(b / "metrics.jsonl")]
+    assert len(ra) == len(rb) and [sorted(x) for x in ra] == [sorted(y) for y in rb]
+    for x, y in zip(ra, rb):
+        for k, v in x.items():
+            if isinstance(v, float):
+                assert abs(v - y[k]) <= tol * max(1.0, abs(v)), (k, v, y[k])
+            else:
+                assert v == y[k], k
+
+
+def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
+    """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo, 10 s heartbeat);
+    llama_bpe's mesh (with a KL reference) spans both processes (6 devices: 4 + 2), gpt2_uni's lies inside
+    process 1 (2 devices).
+    Process 1 is killed (-9) after the first checkpoint: process 0 prints one line naming it, the intact
+    checkpoint and the resume, and exits with `mwra.LOST_EXIT_CODE`. Both resumed to 3 rounds equal an
+    uninterrupted single-process 8-device run: the same records (no duplicate, none missing), final params
+    within 1e-5."""
     import numpy as np
 
     sys.path.insert(0, str(WORKER.parent))
     from placement_worker import by_path
 
+    from mrl_jax import mwra
     from mrl_jax.trainer.checkpoint import RunCheckpointer
 
-    port = _free_port()
-    env = dict(soak.forced_devices_env(4), **soak.compile_cache_env())
-    paths = [tmp_path / f"mp{i}.result.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(tmp_path), str(i), str(port)],
-                              env=worker_result.env_for(env, paths[i]),
-                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    procs, _ = _start_two("mp", tmp_path)
+    try:
+        _kill_after_first_checkpoint(procs, tmp_path / "mp" / "checkpoints")
+        _, err0 = procs[0].communicate(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    lines = [ln for ln in err0.splitlines() if ln.startswith("mrl train: process 1 of 2 stopped answering")]
+    assert procs[0].returncode == mwra.LOST_EXIT_CODE and len(lines) == 1, err0[-4000:]
+    assert re.search(r"the checkpoint of round \d+ in .*checkpoints is intact", lines[0]) and "--resume" in lines[0]
+
+    procs, paths = _start_two("mpresume", tmp_path)
+    outs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     results = [worker_result.read(path, out) for path, (out, _) in zip(paths, outs)]
     assert [r["process"] for r in results] == [0, 1] and all(r["num_devices"] == 8 for r in results)
-    assert all(r["resumed_from"] == 1 for r in results)
-    local = [set(r["local_devices"]) for r in results]
-    for r in results:   # one policy per process, read back from the arrays on both processes
+    assert len({r["resumed_from"] for r in results}) == 1 and results[0]["resumed_from"] in (0, 1)
+    local = [sorted(r["local_devices"]) for r in results]
+    for r in results:   # read back from the arrays on both processes
         pl = r["placement"]
-        assert set(pl["llama_bpe"]["param_devices"]) == local[0] and set(pl["gpt2_uni"]["param_devices"]) == local[1]
+        assert pl["llama_bpe"]["param_devices"] == pl["llama_bpe"]["ref_devices"] == sorted(local[0] + local[1][:2])
+        assert pl["gpt2_uni"]["param_devices"] == local[1][2:]
     ref = _worker("mpref", tmp_path, 8)
-    assert ref["placement"]["llama_bpe"]["devices"] == [0, 1, 2, 3]
+    assert ref["placement"]["llama_bpe"]["devices"] == [0, 1, 2, 3, 4, 5]
+    assert set(soak.record_differences(tmp_path / "mp", tmp_path / "ref")) <= {"metrics.jsonl"}   # samples, groups
+    _metrics_close(tmp_path / "mp", tmp_path / "ref")
 
     def final(run_dir):
         ck = RunCheckpointer(run_dir)
@@ -239,3 +289,23 @@ def test_two_processes_one_policy_each_equal_one_process_on_8_devices(tmp_path):
     assert ra == rb == 2 and a.keys() == b.keys() and len(a) > 0
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
     assert (tmp_path / "mp" / "summary.json").exists()   # written by process 0 only
+
+
+def test_lost_process_line_names_the_process_and_the_complete_checkpoint(tmp_path, monkeypatch):
+    """The survivor's line: the dead task's id parsed from either form of JAX's error, the newest *complete*
+    checkpoint (orbax's temporary folder of a later round ignored), the resume command."""
+    from mrl_jax.mwra.distributed import lost_process_line
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/mrl", "train", "--config", "run.yaml", "--out", str(tmp_path)])
+    for name in ("2", "3", "4.orbax-checkpoint-tmp-17", "notes"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    polled = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have "
+              "crashed. Check the task logs")
+    barrier = "INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout."
+    for err in (polled, barrier):
+        line = lost_process_line(err, tmp_path)
+        assert line.startswith("mrl train: process 1 of ") and "\n" not in line
+        assert f"checkpoint of round 3 in {tmp_path / 'checkpoints'} is intact" in line
+        assert line.endswith(f"restart every process with mrl train --config run.yaml --out {tmp_path} --resume")
+    line = lost_process_line("UNAVAILABLE: failed to connect to all addresses", tmp_path / "new")
+    assert "the coordinator (process 0) or another process" in line and "no checkpoint was complete yet" in line

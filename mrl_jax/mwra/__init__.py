@@ -15,7 +15,7 @@ from mrl_jax.mwra.allocation import (
     proportional_split,
 )
 from mrl_jax.mwra.dispatch import dispatch_all
-from mrl_jax.mwra.distributed import DistributedInfo, initialize_distributed
+from mrl_jax.mwra.distributed import LOST_EXIT_CODE, DistributedInfo, barrier, initialize_distributed, watch_run
 from mrl_jax.mwra.sharding import (
     DEFAULT_MIN_SIZE,
     DEFAULT_RULES,
@@ -37,9 +37,9 @@ from mrl_jax.mwra.sharding import (
 )
 
 __all__ = [
-    "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "REPLICATED",
-    "DistributedInfo", "Plan", "PolicyPlan", "allocate", "batch_sharding", "batch_shardings", "devices_of",
+    "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "LOST_EXIT_CODE", "REPLICATED",
+    "DistributedInfo", "Plan", "PolicyPlan", "allocate", "barrier", "batch_sharding", "batch_shardings", "devices_of",
     "dispatch_all", "estimate_memory_bytes", "initialize_distributed", "jit_for_mesh", "opt_state_shardings",
     "param_shardings", "path_str", "plan", "proportional_split", "put", "shard_batch", "shard_opt_state",
-    "shard_params", "spec_for", "to_mesh",
+    "shard_params", "spec_for", "to_mesh", "watch_run",
 ]

@@ -1,8 +1,13 @@
 """Multi-host start-up through JAX's own runtime (`jax.distributed.initialize`); see docs/multihost.md."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import re
+import sys
+import threading
+from pathlib import Path
 
 import jax
 
@@ -97,7 +102,110 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     except AttributeError:
         pass
     extra = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
+    _WATCH["heartbeat_s"] = heartbeat or 100
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout, **extra)
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+
+
+_BARRIERS: dict = {}
+
+
+def barrier(name: str, process_ids=None, timeout_s: float = 3600.0) -> None:
+    """Wait until every process in ``process_ids`` (default: all) reaches its same-numbered ``name`` barrier.
+
+    Through the coordination service (``jax.distributed``), not the devices, so it never interleaves with a
+    program's collectives. Each call gets the next number for ``(name, process_ids)``: the processes must make
+    the same sequence of calls. A no-op in a single-process run."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    procs = tuple(sorted(process_ids)) if process_ids is not None else None
+    n = _BARRIERS[(name, procs)] = _BARRIERS.get((name, procs), -1) + 1
+    label = "all" if procs is None else "-".join(map(str, procs))
+    try:
+        client.wait_at_barrier(f"{name}.{label}.{n}", int(timeout_s * 1000),
+                               None if procs is None or len(procs) == jax.process_count() else list(procs))
+    except Exception:
+        if _WATCH["thread"] is not None:   # a lost process: let the watchdog say so (and exit) first
+            _WATCH["thread"].join(timeout=10)
+        raise
+
+
+LOST_EXIT_CODE = 75   # a process of the run was lost: resume every process (EX_TEMPFAIL)
+_WATCH: dict = {"out": None, "thread": None, "closing": False, "failed": False, "heartbeat_s": 100}
+_LOST = ("heartbeat", "unhealthy", "crashed")   # in the coordination service's error of a dead process
+
+
+def watch_run(out_dir) -> None:
+    """Multi-process runs: name ``out_dir`` as the run whose checkpoints a lost-process notice points to, and
+    start (once per process) the watchdog: a daemon thread waiting at a barrier of this process's own that the
+    others never enter, so it only returns when the coordination service declares a process dead (after the
+    heartbeat timeout). It then prints one line -- which process was lost, the intact checkpoint round, the
+    resume command -- and exits with `LOST_EXIT_CODE`, ahead of JAX's own abort (exit 134, a C++ trace) which
+    the same event triggers. A no-op in a single-process run."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    _WATCH["out"] = Path(out_dir)
+    if _WATCH["thread"] is not None:
+        return
+    atexit.register(_stop_watch)
+    hook = sys.excepthook
+
+    def failed(*exc):   # an uncaught error (a collective that lost its peer): let the watchdog speak at exit
+        _WATCH["failed"] = True
+        hook(*exc)
+
+    sys.excepthook = failed
+    me, n = jax.process_index(), jax.process_count()
+
+    def wait():
+        try:
+            client.wait_at_barrier(f"mrl.watch.{me}", 30 * 24 * 3600 * 1000, list(range(n)))
+        except Exception as e:  # noqa: BLE001 -- any error of the coordination service ends the run
+            if not _WATCH["closing"] or any(w in str(e) for w in _LOST):
+                print(lost_process_line(str(e), _WATCH["out"]), file=sys.stderr, flush=True)
+                os._exit(LOST_EXIT_CODE)
+
+    _WATCH["thread"] = threading.Thread(target=wait, name="mrl-watch", daemon=True)
+    _WATCH["thread"].start()
+
+
+def _stop_watch() -> None:
+    """At exit: leave the run (``jax.distributed.shutdown`` ends the watchdog's barrier), then let the watchdog
+    return before the interpreter tears its thread down. After an uncaught error, first give a dead peer's
+    heartbeat timeout the time to reach the watchdog (shutting down would abort on it without the line)."""
+    _WATCH["closing"] = True
+    if _WATCH["failed"]:   # a peer may be dead: its heartbeat timeout ends the watchdog (line, exit 75) first
+        _WATCH["thread"].join(timeout=_WATCH["heartbeat_s"] + 10)
+    jax.distributed.shutdown()
+    _WATCH["thread"].join(timeout=10)
+
+
+def _complete_round(out: Path | None) -> int | None:
+    """The newest complete checkpoint under ``out/checkpoints`` (orbax finalises a step by renaming its
+    temporary folder to the bare step number)."""
+    ckpts = None if out is None else out / "checkpoints"
+    steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts and ckpts.is_dir() else []
+    return max(steps) if steps else None
+
+
+def lost_process_line(error: str, out: Path | None) -> str:
+    """The one line a surviving process prints when the coordination service reports another one dead."""
+    m = re.search(r"Task (\d+) heartbeat timeout|unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)", error)
+    ids = sorted({int(t) for t in re.findall(r"\d+", (m.group(1) or m.group(2)))}) if m else []
+    who = (f"process {', '.join(map(str, ids))} of {jax.process_count()} stopped answering" if ids else
+           f"the coordinator (process 0) or another process of {jax.process_count()} is gone")
+    r = _complete_round(out)
+    cmd = " ".join(["mrl"] + [a for a in sys.argv[1:]] + ["--resume"]) if Path(sys.argv[0]).name == "mrl" and \
+        "--resume" not in sys.argv else "the same command with --resume"
+    kept = (f"the checkpoint of round {r} in {out / 'checkpoints'} is intact (later rounds are redone)"
+            if r is not None else "no checkpoint was complete yet (the run starts over)")
+    return (f"mrl train: {who} (no heartbeat within the timeout), so this process stops too (exit "
+            f"{LOST_EXIT_CODE}); {kept}; restart every process with {cmd}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
+from mrl_jax.mwra.distributed import watch_run
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_reward_specs, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig, load_run_config
@@ -237,6 +238,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_specs, progress: bool) -> dict:
+    watch_run(out)   # multi-process: a lost process gets one line naming it and the resume point
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     try:
         latest = _resume_round(ckpt, out, cfg, resume)

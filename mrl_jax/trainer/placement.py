@@ -19,6 +19,10 @@ replicated below ``mwra.min_size`` elements). `pin_policy` gives the policy its 
 
 Everything crossing meshes or host <-> device goes through `mwra.put` / `mwra.to_mesh` (explicit
 ``device_put``), so a round runs under ``jax.transfer_guard("disallow")``.
+
+Several processes: a mesh may span them. `fetch` reads every step's outputs on every process (replicated over a
+spanning mesh, broadcast where a process holds none of it) and `lockstep` launches a spanning mesh's steps
+together (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -181,23 +185,77 @@ def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.nd
             np.concatenate([mask, np.repeat(mask[-1:], extra, 0)]))
 
 
+def owners(mesh: Mesh) -> list[int]:
+    """The processes whose devices ``mesh`` holds."""
+    return sorted({d.process_index for d in mesh.devices.flat})
+
+
 def fetch(mesh: Optional[Mesh], tree):
     """``tree``'s arrays as host numpy on *every* process (all processes call it, in the same order).
 
-    One process: ``jax.device_get``. Several (``jax.distributed``): the arrays of a mesh that lies inside
-    one process are read there and broadcast to the others (``multihost_utils.broadcast_one_to_all``), so
-    the host work after it (decoding, rewards, THL, SEE) is identical on every process."""
+    One process: ``jax.device_get``. Several (``jax.distributed``): arrays of a mesh spanning processes are
+    first replicated over it (one jitted identity, `lockstep`), which hands every process of the mesh the
+    whole value; a mesh inside one process is read there. Where some process holds none of the mesh's
+    devices, the value is broadcast from the mesh's first process (``multihost_utils.broadcast_one_to_all``).
+    So the host work after it (decoding, rewards, THL, SEE) is identical on every process."""
     if jax.process_count() == 1 or mesh is None:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
-    owners = sorted({d.process_index for d in mesh.devices.flat})
-    if len(owners) != 1:
-        raise NotImplementedError(f"mrl train: a policy mesh spanning processes {owners} cannot be read yet; "
-                                  "give each policy devices of one host (policies[*].devices or mwra.devices)")
-    mine = jax.process_index() == owners[0]
-    host = jax.device_get(tree) if mine else jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
-    return multihost_utils.broadcast_one_to_all(host, is_source=mine)
+    procs = owners(mesh)
+    if len(procs) > 1:
+        tree = _replicate(mesh)(tree)
+        read = lambda x: np.asarray(x.addressable_data(0))   # noqa: E731 -- the whole value, held locally
+    else:
+        read = np.asarray
+    mine = jax.process_index() in procs
+    if len(procs) == jax.process_count():
+        return jax.tree.map(read, tree)
+    host = jax.tree.map(read if mine else (lambda x: np.zeros(x.shape, x.dtype)), tree)
+    return multihost_utils.broadcast_one_to_all(host, is_source=jax.process_index() == procs[0])
+
+
+_REPLICATE: dict = {}
+
+
+def _replicate(mesh: Mesh) -> Callable:
+    """A jitted identity whose outputs are replicated over ``mesh`` (every process of the mesh holds them)."""
+    fn = _REPLICATE.get(mesh)
+    if fn is None:
+        fn = _REPLICATE[mesh] = lockstep(mesh, jax.jit(lambda t: t, out_shardings=NamedSharding(mesh,
+                                                                                               mwra.REPLICATED)))
+    return fn
+
+
+def _signature(args) -> tuple:
+    """What a jitted function's program depends on: the tree and each leaf's shape, dtype and sharding."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else repr(x)
+                       for x in leaves)
+
+
+def lockstep(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` (jitted) itself on a mesh inside one process. On a mesh spanning processes: compiled ahead of time
+    per input signature, then launched by every process of the mesh after a barrier (`mwra.barrier`): the CPU
+    collectives (gloo) of one program must start on all its processes within their connect timeout (~30 s),
+    which processes that compile at different speeds (or hit the compile cache unevenly) would miss. Every
+    process makes the same calls in the same order (docs/multihost.md), so the barriers pair up."""
+    procs = owners(mesh)
+    if len(procs) < 2:
+        return fn
+    compiled: dict = {}
+
+    def call(*args):
+        if jax.process_index() not in procs:   # nothing of it runs here
+            return fn(*args)
+        key = _signature(args)
+        exe = compiled.get(key)
+        if exe is None:
+            exe = compiled[key] = fn.lower(*args).compile()
+        mwra.barrier("mrl.lockstep", procs)
+        return exe(*args)
+
+    return call
 
 
 _MESH_GENERATE: dict = {}
@@ -210,8 +268,8 @@ def _mesh_rollout(mesh: Mesh, graphdef, sampling, num_samples: int) -> Callable:
     fn = _MESH_GENERATE.get(cache_key)
     if fn is None:
         G = int(num_samples)
-        fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
-                     out_shardings=mwra.batch_sharding(mesh))
+        fn = lockstep(mesh, jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
+                                    out_shardings=mwra.batch_sharding(mesh)))
         _MESH_GENERATE[cache_key] = fn
     return fn
 
@@ -233,17 +291,19 @@ def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
     rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
-    return dataclasses.replace(policy, mesh=mesh, rollout=rollout,
-                               update=pin_update(policy.update, mesh, state_shardings))
+    update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
+    ref_logp = None if policy.ref_logp is None else lockstep(mesh, policy.ref_logp)
+    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update, ref_logp=ref_logp)
 
 
 def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:
-    """``inner(params, opt_state, batch, view, key)`` jitted with params / opt state kept as placed
+    """``inner(params, opt_state, rows, view, key)`` jitted with params / opt state kept as placed
     (``state_shardings``) and donated, metrics replicated on ``mesh``."""
     repl = NamedSharding(mesh, mwra.REPLICATED)
     return jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
                    out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
 
 
-__all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "make_placement", "mesh_generate", "pad_prompts", "pad_rows",
-           "param_devices", "pin_policy", "pin_update", "placement_summary", "plan_run", "policy_cost", "run_devices"]
+__all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "lockstep", "make_placement", "mesh_generate",
+           "owners", "pad_prompts", "pad_rows", "param_devices", "pin_policy", "pin_update", "placement_summary",
+           "plan_run", "policy_cost", "run_devices"]
