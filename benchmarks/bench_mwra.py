@@ -1,5 +1,5 @@
 """MWRA figures: one round (an AdamW update step of each of two tiny policies, each on its own sub-mesh)
-dispatched concurrently (`mrl_jax.mwra.dispatch_all`) vs one after the other, on 8 CPU devices; and the
+dispatched concurrently (every step launched before any is awaited) vs one after the other, on 8 CPU devices; and the
 allocation plan for a 0.5B + 1.5B pair on 8 devices.
 
     python benchmarks/bench_mwra.py [--quick]      # prints JSON
@@ -29,7 +29,7 @@ def _policy(mesh, family: str, dim: int, vocab: int, rows: int, length: int, see
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from mrl_jax import mwra
     from mrl_jax.models import tiny_model
@@ -56,8 +56,8 @@ def _policy(mesh, family: str, dim: int, vocab: int, rows: int, length: int, see
     opt_state = mwra.put(opt_state, o_sh)
     batch = np.random.default_rng(seed).integers(0, vocab, size=(rows, length), dtype=np.int32)
     b_sh = mwra.batch_sharding(mesh)
-    jitted = mwra.jit_for_mesh(step, mesh, in_shardings=(p_sh, o_sh, b_sh),
-                               out_shardings=(p_sh, o_sh, PartitionSpec()), donate_argnums=(0, 1))
+    jitted = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh),
+                     out_shardings=(p_sh, o_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0, 1))
     return {"step": jitted, "state": [params, opt_state], "batch": mwra.put(batch, b_sh),
             "params": int(n_params), "tokens": rows * length}
 
@@ -96,8 +96,11 @@ def _child(quick: bool) -> dict:
     def keep(pol, res):
         pol["state"] = [res[0], res[1]]
 
+    def dispatch_all():   # every policy's step launched before any is awaited
+        return jax.block_until_ready([call(q) for q in pols])
+
     for _ in range(2):  # compile + warm up
-        for pol, res in zip(pols, mwra.dispatch_all([lambda q=q: call(q) for q in pols])):
+        for pol, res in zip(pols, dispatch_all()):
             keep(pol, res)
 
     def sequential():
@@ -105,7 +108,7 @@ def _child(quick: bool) -> dict:
             keep(pol, jax.block_until_ready(call(pol)))
 
     def concurrent():
-        for pol, res in zip(pols, mwra.dispatch_all([lambda q=q: call(q) for q in pols])):
+        for pol, res in zip(pols, dispatch_all()):
             keep(pol, res)
 
     def single(i):

@@ -96,8 +96,8 @@ def setup_policy(mesh, *, dim=32, layers=2, seed=0, min_size=0, family="llama"):
     opt_state = mwra.put(opt_state, o_sh)
     batch = make_batch(seed=seed)
     b_sh = mwra.batch_shardings(batch, mesh)
-    step = mwra.jit_for_mesh(make_step(graphdef, opt), mesh, in_shardings=(p_sh, o_sh, b_sh),
-                             out_shardings=(p_sh, o_sh, PartitionSpec()), donate_argnums=(0, 1))
+    step = jax.jit(make_step(graphdef, opt), in_shardings=(p_sh, o_sh, b_sh),
+                   out_shardings=(p_sh, o_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0, 1))
     return dict(params=params, opt_state=opt_state, batch=mwra.put(batch, b_sh), step=step, kind=kind,
                 p_sh=p_sh, host_batch=batch)
 
@@ -133,7 +133,7 @@ def scenario_local() -> dict:
                       if any(e is not None for e in s.spec))
         placement.append({"mesh": sorted(mesh_ids), "params_before": sorted(before[0]),
                           "opt_before": sorted(before[1]), "sharded_leaves": sharded})
-    res = mwra.dispatch_all([(p["step"], (p["params"], p["opt_state"], p["batch"])) for p in pols])
+    res = jax.block_until_ready([p["step"](p["params"], p["opt_state"], p["batch"]) for p in pols])
     for rec, (params, opt_state, loss) in zip(placement, res):
         rec["params_after"] = sorted(mwra.devices_of(params))
         rec["opt_after"] = sorted(mwra.devices_of(opt_state))
@@ -190,7 +190,7 @@ def scenario_mp(process_id: int, port: int) -> dict:
     p_meshes = mwra.allocate([1.0, 1.0], jax.devices())
     out["policy_meshes_process"] = [sorted({d.process_index for d in mm.devices.flat}) for mm in p_meshes]
     pols = [setup_policy(mm, seed=10 + i, family="mlp") for i, mm in enumerate(p_meshes)]
-    res = mwra.dispatch_all([(p["step"], (p["params"], p["opt_state"], p["batch"])) for p in pols])
+    res = jax.block_until_ready([p["step"](p["params"], p["opt_state"], p["batch"]) for p in pols])
     out["policy_losses"] = {}
     out["policy_ref_losses"] = {}
     for i, (mm, (_, _, l)) in enumerate(zip(p_meshes, res)):

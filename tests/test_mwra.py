@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -209,10 +208,8 @@ def test_param_and_opt_state_shardings_mirror():
         o_sh, is_leaf=lambda x: isinstance(x, NamedSharding))[0]}
     assert specs["0/mu/layers/1/kernel"] == P(None, "data") and specs["0/nu/layers/0/kernel"] == P(None, "data")
     assert specs["0/mu/norm/scale"] == P() and specs["0/count"] == P()
-    placed = mwra.shard_opt_state(opt_state, p_sh, mesh)
+    placed = mwra.put(opt_state, o_sh)
     assert mwra.devices_of(placed) == {jax.devices()[0].id}
-    sp = mwra.shard_params(params, mesh)
-    assert jax.tree.structure(sp) == jax.tree.structure(params)
 
 
 def test_batch_sharding_and_errors():
@@ -227,19 +224,6 @@ def test_batch_sharding_and_errors():
 class FakeMeshAsMesh(FakeMesh):
     def __init__(self):
         super().__init__(data=8)
-
-
-def test_jit_for_mesh_and_dispatch_all():
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    f = mwra.jit_for_mesh(lambda x, y: (x * 2 + y, x.sum()), mesh, in_shardings=(P("data"), P()),
-                          out_shardings=(P("data"), P()))
-    g = jax.jit(lambda x: x - 1)
-    x = jnp.arange(4.0)
-    outs = mwra.dispatch_all([(f, (x, 1.0)), (g, (x,), {}), lambda: g(x)])
-    assert np.allclose(outs[0][0], [1, 3, 5, 7]) and float(outs[0][1]) == 6.0
-    assert np.allclose(outs[1], outs[2]) and np.allclose(outs[1], [-1, 0, 1, 2])
-    with pytest.raises(ValueError, match="dispatch_all items"):
-        mwra.dispatch_all([(1, 2)])
 
 
 # ---------------------------------------------------------------- distributed start-up (no real init here)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -159,6 +159,15 @@ def _validate_costs(costs: Sequence[float]) -> list[float]:
                 f"cost of policy {i} is {c!r}: every cost must be a finite number > 0 "
                 "(use parameters x tokens per round, e.g. 0.5e9 * 4096)")
     return costs
+
+
+class PlanError(ValueError):
+    """A plan the devices cannot hold; ``policy``: the index of the policy it names (None: the request as a
+    whole), so a caller maps it to its own config key without reading the message."""
+
+    def __init__(self, message: str, *, policy: Optional[int] = None):
+        super().__init__(message)
+        self.policy = policy
 
 
 def proportional_split(costs: Sequence[float], num_devices: int) -> list[int]:
@@ -321,7 +330,7 @@ def plan(
                 if mode == "time_share:pack":
                     fixes.insert(0, "use time_share='full' so every policy is sharded over all devices")
                 fixes.append("or shrink the model / micro-batch (activation_bytes)")
-                raise ValueError(head + why + ", ".join(fixes) + ".")
+                raise PlanError(head + why + ", ".join(fixes) + ".", policy=worst.index)
 
     platform = getattr(devices[0], "platform", "unknown")
     return Plan(policies=tuple(policies), axis_names=axis_names, mode=mode, num_devices=D, platform=platform,
@@ -340,13 +349,13 @@ def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
             continue
         want = [int(i) for i in a]
         if not want:
-            raise ValueError(f"policy {names[k]!r}: empty device id list")
+            raise PlanError(f"policy {names[k]!r}: empty device id list", policy=k)
         for i in want:
             if i not in known:
-                raise ValueError(f"policy {names[k]!r}: device id {i} does not exist (devices: {_ids(ids)})")
+                raise PlanError(f"policy {names[k]!r}: device id {i} does not exist (devices: {_ids(ids)})", policy=k)
             if i in claimed:
-                raise ValueError(f"policy {names[k]!r}: device {i} is also given to policy {claimed[i]!r}; "
-                                 "sub-meshes must not overlap")
+                raise PlanError(f"policy {names[k]!r}: device {i} is also given to policy {claimed[i]!r}; "
+                                "sub-meshes must not overlap", policy=k)
             claimed[i] = names[k]
         groups[k] = want
     free = [i for i in ids if i not in claimed]
@@ -354,10 +363,10 @@ def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
     auto = [k for k in range(n) if assign[k] is None]
     for k, c in counted.items():
         if c < 1:
-            raise ValueError(f"policy {names[k]!r}: device count {c} must be >= 1")
+            raise PlanError(f"policy {names[k]!r}: device count {c} must be >= 1", policy=k)
     need = sum(counted.values()) + len(auto)
     if need > len(free):
-        raise ValueError(f"the device overrides need {sum(counted.values())} device(s) by count plus one per "
+        raise PlanError(f"the device overrides need {sum(counted.values())} device(s) by count plus one per "
                          f"cost-sized policy ({len(auto)}) but only {len(free)} of {len(ids)} remain after the id "
                          "lists: lower the counts or add devices")
     start = 0

@@ -14,7 +14,7 @@ span processes (``jax.make_array_from_callback`` from a host copy every process 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -132,12 +132,6 @@ def put(tree, shardings):
                         is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
-def shard_params(params, mesh: Mesh, rules=DEFAULT_RULES, *, min_size: int = DEFAULT_MIN_SIZE,
-                 axes: Sequence[str] | None = None):
-    """``params`` placed on ``mesh`` by the rules (see `param_shardings`)."""
-    return put(params, param_shardings(params, mesh, rules, min_size=min_size, axes=axes))
-
-
 def opt_state_shardings(opt_state, params_shardings, mesh: Mesh):
     """Shardings for an optax state: leaves that mirror a parameter (same path suffix and shape, e.g. AdamW
     ``mu``/``nu``) take that parameter's sharding; everything else (step counts, scalars) is replicated."""
@@ -159,11 +153,6 @@ def opt_state_shardings(opt_state, params_shardings, mesh: Mesh):
         return replicated
 
     return jax.tree_util.tree_map_with_path(one, opt_state)
-
-
-def shard_opt_state(opt_state, params_shardings, mesh: Mesh):
-    """``opt_state`` placed on ``mesh``: mirrors of params sharded like them, scalars replicated."""
-    return put(opt_state, opt_state_shardings(opt_state, params_shardings, mesh))
 
 
 def batch_sharding(mesh: Mesh, axes: Sequence[str] | None = None) -> NamedSharding:
@@ -211,23 +200,6 @@ def to_mesh(tree, mesh: Mesh, *, via_host: bool = False):
     if via_host:
         tree = jax.tree.map(np.asarray, jax.device_get(tree))
     return put(tree, batch_shardings(tree, mesh, strict=False))
-
-
-def _named(mesh: Mesh, tree):
-    if tree is None:
-        return None
-    return jax.tree.map(lambda s: NamedSharding(mesh, s) if isinstance(s, PartitionSpec) else s, tree,
-                        is_leaf=lambda s: isinstance(s, (PartitionSpec, jax.sharding.Sharding)))
-
-
-def jit_for_mesh(fn: Callable, mesh: Mesh, in_shardings=None, out_shardings=None,
-                 donate_argnums: int | Sequence[int] = (), **jit_kwargs) -> Callable:
-    """``jax.jit`` pinned to ``mesh``: `PartitionSpec` leaves in the sharding trees become ``NamedSharding(mesh,
-    spec)``; ``None`` lets XLA infer (from committed inputs). Donate params/opt state (e.g. ``(0, 1)``) so an
-    update reuses their buffers. The result is an ordinary jitted function (``.lower(...).compile()`` works).
-    """
-    return jax.jit(fn, in_shardings=_named(mesh, in_shardings), out_shardings=_named(mesh, out_shardings),
-                   donate_argnums=donate_argnums, **jit_kwargs)
 
 
 def devices_of(tree) -> set[int]:

@@ -10,7 +10,7 @@ its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FS
 replicated below ``mwra.min_size`` elements). `pin_policy` gives the policy its mesh-pinned steps:
 
 * ``rollout(params, prompt_ids, prompt_mask, key)``: `mrl_jax.rollout.generate` with ``num_samples=G``, the
-  prompt rows sharded over the data axis (the caller pads them to ``data_size``, see `pad_rows`), the
+  prompt rows sharded over the data axis (the caller pads them to a multiple of the mesh size, see `pad_rows`), the
   outputs row-sharded on the same mesh;
 * ``update(params, opt_state, batch, view, key)``: the policy's update with params / opt state kept as
   placed (``out_shardings``) and donated; the batch and view are put on the mesh explicitly by the round
@@ -88,10 +88,6 @@ class Placement:
     rules: tuple
     min_size: int
 
-    def data_size(self, i: int) -> int:
-        """Devices on policy i's data axis (the multiple its rollout rows are padded to)."""
-        return int(self.meshes[i].devices.size)
-
     def shardings(self, i: int, state) -> Any:
         """``state``-shaped `NamedSharding` tree for policy i (a ``PolicyState``: params by the rules, opt state
         mirroring them, ref params as params)."""
@@ -135,11 +131,9 @@ def plan_run(cfg, param_counts: Sequence[int], prompt_tokens: Sequence[float],
     try:
         p = mwra.plan(costs, devs, [int(n) for n in param_counts], names, time_share=cfg.mwra.time_share,
                       assign=assign if any(a is not None for a in assign) else None)
-    except ValueError as e:
-        msg = str(e)
-        bad = next((n for n in names if f"policy {n!r}" in msg), None)
-        key = f"policies.{bad}.devices" if bad else "policies[*].devices"
-        raise ConfigError(f"config key '{key}': {msg}") from e
+    except mwra.PlanError as e:
+        key = "policies[*].devices" if e.policy is None else f"policies.{names[e.policy]}.devices"
+        raise ConfigError(f"config key '{key}': {e}") from e
     return p
 
 
