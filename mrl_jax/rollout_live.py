@@ -140,14 +140,23 @@ def _placement(mesh, b: int):
 
 def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
                  segment: int = 8, mesh=None):
-    """:func:`generate_live` as a generator: it yields after dispatching each device program (before reading its
-    result), so :func:`drive` can interleave several policies' samplers; its return value is (Rollout, stats).
-    ``mesh``: rows split over its devices (P * G a multiple of its size), every transfer explicit."""
+    """:func:`generate_live` as a generator, its prefill already dispatched: it yields after dispatching each
+    device program (before reading its result), so :func:`drive` can interleave several policies' samplers; its
+    return value is (Rollout, stats). ``mesh``: rows split over its devices (P * G a multiple of its size), every
+    transfer explicit (it runs under ``jax.transfer_guard("disallow")``)."""
     if int(segment) < 1:
         raise ValueError(f"generate_live: segment must be >= 1, got {segment}")
-    g, n = int(num_samples), config.max_new_tokens
+    b = int(np.shape(prompt_ids)[0]) * int(num_samples)
+    gen = _live(graphdef, params, prompt_ids, prompt_mask, key, config, int(num_samples), int(segment),
+                *_placement(mesh, b))
+    next(gen)
+    return gen
+
+
+def _live(graphdef, params, prompt_ids, prompt_mask, key, config, g, segment, rows_s, put, d):
+    """The body of :func:`live_rollout` (rows_s, put, d: :func:`_placement`)."""
+    n = config.max_new_tokens
     b = int(np.shape(prompt_ids)[0]) * g
-    rows_s, put, d = _placement(mesh, b)
     put_rows = put if rows_s is None else (lambda x: jax.device_put(x, rows_s))
     state = _start(graphdef, params, put_rows(prompt_ids), put_rows(prompt_mask), put(key), config,
                    num_samples=g, rows=rows_s)
@@ -161,7 +170,7 @@ def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     state = (state[0], state[1], put_rows(done), state[3], state[4])
     slots = np.arange(b)                         # global row of each slot; -1: a padding slot
     stats = {"row_steps": b, "segments": 0, "batch_sizes": []}   # step 0 (from the prefill) on every row
-    for start, stop, gen_len in _segments(n, config, int(segment)):
+    for start, stop, gen_len in _segments(n, config, segment):
         live = np.flatnonzero((slots >= 0) & ~done[np.maximum(slots, 0)])   # slots of unfinished rows
         if live.size == 0:
             break
@@ -171,7 +180,7 @@ def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
             state = _take_rows(state, put(idx), put_rows(np.arange(size) >= live.size), rows=rows_s)
             slots = np.concatenate([slots[live], np.full(size - live.size, -1)])
         cache, tok, dn, seg_tok, seg_lp, seg_mask = _segment(
-            graphdef, params, *state, config, int(segment), gen_len, put(np.int32(start)), put(np.int32(stop)),
+            graphdef, params, *state, config, segment, gen_len, put(np.int32(start)), put(np.int32(stop)),
             rows=rows_s)
         state = (cache, tok, dn, state[3], state[4])
         yield
@@ -189,17 +198,21 @@ def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     return out, stats
 
 
-def drive(items: Sequence) -> list:
+def drive(items: Sequence, stats: list | None = None) -> list:
     """Run the :func:`live_rollout` generators among ``items`` to the end, one step of each in turn (each one's
-    device work overlaps the others' host reads); returns their (Rollout, stats), other items unchanged."""
+    device work overlaps the others' host reads); returns their Rollouts, other items unchanged. ``stats``: a
+    list that gets each item's stats dict (None for the other items)."""
     out, pending = list(items), [i for i, x in enumerate(items) if inspect.isgenerator(x)]
+    info = [None] * len(out)
     while pending:
         for i in list(pending):
             try:
                 next(out[i])
             except StopIteration as stop:
-                out[i] = stop.value
+                out[i], info[i] = stop.value
                 pending.remove(i)
+    if stats is not None:
+        stats.extend(info)
     return out
 
 
@@ -212,5 +225,7 @@ def generate_live(graphdef, params, prompt_ids, prompt_mask, key, config: Sampli
     stats): ``row_steps`` (row-steps computed, step 0 and padding rows included; the static sampler's is
     B * max(lengths)), ``segments`` and ``batch_sizes`` (rows of each segment).
     """
-    return drive([live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                               segment=segment, mesh=mesh)])[0]
+    stats: list = []
+    out = drive([live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
+                              segment=segment, mesh=mesh)], stats)
+    return out[0], stats[0]

@@ -36,6 +36,7 @@ from mrl_jax import thl
 from mrl_jax.learner import Batch
 from mrl_jax import rollout as _rollout
 from mrl_jax.rollout import generate
+from mrl_jax.rollout_live import drive, live_rollout
 from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
@@ -158,11 +159,15 @@ def _replicated(pol: Policy, x):
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout (not awaited). On a mesh: prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly."""
-    if pol.mesh is None or pol.rollout is None or generate is not _rollout.generate:
-        # unpinned: no mesh, or this module's ``generate`` replaced (tests inject degenerate samples that way)
+    if generate is not _rollout.generate:   # this module's ``generate`` replaced (tests inject samples that way)
         return generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), key, pol.sampling,
                         num_samples=pol.num_generations)
+    if pol.mesh is None or pol.rollout is None:
+        return live_rollout(pol.graphdef, ps.params, ids, mask, key, pol.sampling, num_samples=pol.num_generations)
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
+    if jax.process_count() == 1:   # the live sampler reads its rows' done flags on this process
+        return live_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
+                            num_samples=pol.num_generations, mesh=pol.mesh)
     rows = mwra.batch_sharding(pol.mesh)
     return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
 
@@ -199,6 +204,9 @@ def _rollouts(lanes: Sequence[_Lane], texts: Sequence[str], keys: Sequence, guar
         with guard():
             ln.out = _dispatch_rollout(ln.pol, ln.ps, ln.ids, ln.mask, keys[ln.pol.index])
         ln.stamps["rollout_dispatched"] = time.perf_counter() - t0
+    with guard():   # the live samplers to the end, one program of each policy in turn
+        for ln, out in zip(lanes, drive([ln.out for ln in lanes])):
+            ln.out = out
     for ln in lanes:
         ln.stamps["rollout_read"] = time.perf_counter() - t0
         ln.out = _trim(fetch(ln.pol.mesh, ln.out), len(texts) * ln.pol.num_generations)   # several processes: broadcast
