@@ -101,3 +101,29 @@ def test_awkward_shapes_equal_the_static_sampler(llama, g, segment):
     np.testing.assert_array_equal(both[0].tokens, out.tokens)
     np.testing.assert_array_equal(both[1].tokens, alone.tokens)
     assert both[2] is ref and st[2] is None and st[0] == stats
+
+
+def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
+    """On 4 forced CPU devices (3 prompts padded to 4, 12 rows; FSDP-sharded params) and on 3 (9 rows), under
+    ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static sampler's, every compacted
+    batch splits over the devices."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import soak
+    import worker_result
+
+    result = tmp_path / "live.result.json"
+    env = worker_result.env_for(dict(soak.forced_devices_env(4), **soak.compile_cache_env()), result)
+    worker = Path(__file__).with_name("live_worker.py")
+    proc = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=str(worker.parents[1]))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = worker_result.read(result, proc.stdout)
+    assert r["devices"] == 4 and min(r["lengths"]) < 21 and max(r["lengths"]) > 8, r["lengths"]
+    for d, c in r["cases"].items():
+        assert c["tokens_equal"] and c["mask_equal"] and c["truncated_equal"], (d, c)
+        assert c["logprob_diff"] <= 1e-5 and c["sampling_logprob_diff"] <= 1e-5, (d, c)
+        assert all(s % int(d) == 0 for s in c["batch_sizes"]) and min(c["batch_sizes"]) < c["batch_sizes"][0], c
+    assert r["cases"]["4"]["sharded_params"] > 0   # (no dim of the tiny model divides by 3)
