@@ -33,12 +33,13 @@ from mrl_jax.sampling import sample_rows
 __all__ = ["generate_live", "live_rollout", "drive", "row_bucket"]
 
 
-def row_bucket(n: int, total: int, multiple: int = 1) -> int:
-    """Rows a batch of ``n`` live rows is padded to: ``n`` rounded up to a multiple of a quarter of its
-    largest power of two (<= 25 % padding, at most 4 sizes per doubling), then to a multiple of ``multiple``
-    (the devices the rows are split over), never above ``total``."""
-    if n > 4:
-        step = (1 << (n.bit_length() - 1)) // 4
+def row_bucket(n: int, total: int, multiple: int = 1, per_doubling: int = 4) -> int:
+    """Rows a batch of ``n`` live rows is padded to: ``n`` rounded up to a multiple of 1 / ``per_doubling`` of its
+    largest power of two (``per_doubling`` 4: <= 25 % padding, 4 sizes per doubling; 1: powers of two, fewer
+    programs to compile), then to a multiple of ``multiple`` (the devices the rows are split over), never above
+    ``total``."""
+    if n > per_doubling:
+        step = (1 << (n.bit_length() - 1)) // per_doubling
         n = -(-n // step) * step
     return min(-(-n // multiple) * multiple, total)
 
@@ -139,21 +140,24 @@ def _placement(mesh, b: int):
 
 
 def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                 segment: int = 8, mesh=None):
+                 segment: int = 8, mesh=None, per_doubling: int = 4):
     """:func:`generate_live` as a generator, its prefill already dispatched: it yields after dispatching each
     device program (before reading its result), so :func:`drive` can interleave several policies' samplers; its
     return value is (Rollout, stats). ``mesh``: rows split over its devices (P * G a multiple of its size), every
-    transfer explicit (it runs under ``jax.transfer_guard("disallow")``)."""
+    transfer explicit (it runs under ``jax.transfer_guard("disallow")``). ``per_doubling``: row sizes per doubling
+    (:func:`row_bucket`)."""
     if int(segment) < 1:
         raise ValueError(f"generate_live: segment must be >= 1, got {segment}")
+    if per_doubling not in (1, 2, 4, 8):
+        raise ValueError(f"generate_live: per_doubling must be 1, 2, 4 or 8, got {per_doubling}")
     b = int(np.shape(prompt_ids)[0]) * int(num_samples)
     gen = _live(graphdef, params, prompt_ids, prompt_mask, key, config, int(num_samples), int(segment),
-                *_placement(mesh, b))
+                int(per_doubling), *_placement(mesh, b))
     next(gen)
     return gen
 
 
-def _live(graphdef, params, prompt_ids, prompt_mask, key, config, g, segment, rows_s, put, d):
+def _live(graphdef, params, prompt_ids, prompt_mask, key, config, g, segment, per_doubling, rows_s, put, d):
     """The body of :func:`live_rollout` (rows_s, put, d: :func:`_placement`)."""
     n = config.max_new_tokens
     b = int(np.shape(prompt_ids)[0]) * g
@@ -174,7 +178,7 @@ def _live(graphdef, params, prompt_ids, prompt_mask, key, config, g, segment, ro
         live = np.flatnonzero((slots >= 0) & ~done[np.maximum(slots, 0)])   # slots of unfinished rows
         if live.size == 0:
             break
-        size = row_bucket(live.size, b, d)
+        size = row_bucket(live.size, b, d, per_doubling)
         if size < slots.size:   # compact: the live slots first, padded with copies of one (marked done)
             idx = np.concatenate([live, np.full(size - live.size, live[0])]).astype(np.int32)
             state = _take_rows(state, put(idx), put_rows(np.arange(size) >= live.size), rows=rows_s)
@@ -217,15 +221,15 @@ def drive(items: Sequence, stats: list | None = None) -> list:
 
 
 def generate_live(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *,
-                  num_samples: int = 1, segment: int = 8, mesh=None) -> tuple[Rollout, dict]:
+                  num_samples: int = 1, segment: int = 8, mesh=None, per_doubling: int = 4) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens), computed on the live rows only.
 
     Args as ``generate``; ``segment``: decode steps between two compactions (each one host read of the rows'
-    done flags); ``mesh``: see :func:`live_rollout`. Returns (:class:`Rollout` of host numpy arrays [P * G, N],
-    stats): ``row_steps`` (row-steps computed, step 0 and padding rows included; the static sampler's is
+    done flags); ``mesh``, ``per_doubling``: see :func:`live_rollout`. Returns (:class:`Rollout` of host numpy
+    arrays [P * G, N], stats): ``row_steps`` (row-steps computed, step 0 and padding rows included; the static sampler's is
     B * max(lengths)), ``segments`` and ``batch_sizes`` (rows of each segment).
     """
     stats: list = []
     out = drive([live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                              segment=segment, mesh=mesh)], stats)
+                              segment=segment, mesh=mesh, per_doubling=per_doubling)], stats)
     return out[0], stats[0]

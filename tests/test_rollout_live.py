@@ -24,6 +24,8 @@ def llama():
 def test_row_bucket_and_segments():
     assert [row_bucket(n, 100) for n in (1, 4, 5, 9, 17, 33, 64, 65, 99)] == [1, 4, 5, 10, 20, 40, 64, 80, 100]
     assert all(n <= row_bucket(n, 1000) <= 1.25 * n for n in range(1, 1000))
+    assert [row_bucket(n, 100, per_doubling=1) for n in (1, 3, 5, 9, 64, 65)] == [1, 4, 8, 16, 64, 100]
+    assert [row_bucket(n, 12, 4) for n in (1, 5, 9, 11)] == [4, 8, 12, 12]   # whole rows per device
     cfg = SamplingConfig(max_new_tokens=40, cache_bucket=16)
     segs = _segments(40, cfg, 6)
     assert [s[0] for s in segs][0] == 1 and segs[-1][1] == 40

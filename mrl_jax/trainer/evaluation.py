@@ -9,11 +9,10 @@ from collections import defaultdict
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import evaluation as metrics_lib
-from mrl_jax.rollout import generate
+from mrl_jax.rollout_live import generate_live
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
@@ -41,8 +40,7 @@ def evaluate_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seq
 
             out = mesh_generate(policy, state.params, ids, mask, jax.random.key(0), greedy)
         else:
-            out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask),
-                                          jax.random.key(0), greedy))
+            out, _ = generate_live(policy.graphdef, state.params, ids, mask, jax.random.key(0), greedy)
         texts, _ = decode_completions(policy.tokenizer, out.tokens, out.mask, policy.sampling.eos_ids)
         for p, t in zip(chunk[:n], texts[:n]):
             hits[prompt_group(p)].append(float(task.verify(p, t) >= 1.0))
@@ -76,8 +74,7 @@ def sample_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seque
 
             out = mesh_generate(policy, state.params, ids, mask, key, cfg, num_samples=num_samples)
         else:
-            out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask), key,
-                                          cfg, num_samples=num_samples))
+            out, _ = generate_live(policy.graphdef, state.params, ids, mask, key, cfg, num_samples=num_samples)
         texts, _ = decode_completions(policy.tokenizer, out.tokens, out.mask, policy.sampling.eos_ids)
         for i, p in enumerate(chunk[:n]):
             row = texts[i * num_samples:(i + 1) * num_samples]
