@@ -60,6 +60,7 @@ def extract(rev: str, dest: Path) -> Path:
     """``rev``'s mrl_jax/ and benchmarks/ under ``dest`` (git archive of this repository)."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "mrl_jax", "benchmarks"], check=True,
                              capture_output=True).stdout
+    dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
 

@@ -242,8 +242,9 @@ def _longtail_setup(s: dict):
 
 
 def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
-    """Load-independent figures over ``s["rounds"]`` keys (a run's rounds): row-steps per kept token of both
-    samplers and the programs each call compiled; raises when the live tokens differ from the static ones."""
+    """Load-independent figures over ``s["rounds"]`` keys (a run's rounds): row-steps per kept token of each
+    sampler and the programs each call compiled (each sampler from empty jit caches, its rounds in order); raises
+    when a live sampler's tokens differ from the static ones."""
     import jax
 
     from mrl_jax.compile_stats import CompileCounter
@@ -252,15 +253,20 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
-    rows: list = []
-    for r in range(s["rounds"]):
-        key = jax.random.fold_in(jax.random.key(0), r)
+    keys = [jax.random.fold_in(jax.random.key(0), r) for r in range(s["rounds"])]
+    rows, statics = [], []
+    jax.clear_caches()
+    for key in keys:
         with CompileCounter() as cs:
             static = jax.device_get(generate(graphdef, params, jids, jmask, key, cfg, num_samples=g))
+        statics.append(static)
         lengths = np.asarray(static.lengths)
-        row = {"kept": int(lengths.sum()), "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
-               "static_row_steps": b * int(lengths.max()), "static_compiles": cs.programs}
-        for name, per in LIVE_VARIANTS.items():
+        rows.append({"kept": int(lengths.sum()), "mean_length": float(lengths.mean()),
+                     "max_length": int(lengths.max()), "static_row_steps": b * int(lengths.max()),
+                     "static_compiles": cs.programs})
+    for name, per in LIVE_VARIANTS.items():
+        jax.clear_caches()
+        for r, (key, static, row) in enumerate(zip(keys, statics, rows)):
             with CompileCounter() as cl:
                 live, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g,
                                             segment=s["segment"], per_doubling=per)
@@ -269,7 +275,6 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
             row.update({f"{name}_row_steps": stats["row_steps"], f"{name}_compiles": cl.programs,
                         f"{name}_batch_sizes": stats["batch_sizes"],
                         f"{name}_logprob_max_diff": float(np.abs(live.logprobs - static.logprobs).max())})
-        rows.append(row)
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(LIVE_VARIANTS)
     return {"rounds": rows, "tokens_identical": True,
             "row_steps_per_kept_token": {k: sum(x[f"{k}_row_steps"] for x in rows) / kept for k in names},

@@ -15,6 +15,14 @@ the static sampler's decode loop on fewer rows.
 
 Same key => same tokens as :func:`mrl_jax.rollout.generate`: a row's uniforms at step i are
 ``row_uniforms(key, B, N)[row, i]`` wherever the row sits, and its logits do not depend on the other rows.
+
+The training round runs one :func:`live_rollout` per policy (a generator that yields after dispatching each
+program) and :func:`drive` steps them in turn, so one policy's segment runs while the host reads another's.
+With ``mesh`` the rows are split over the mesh's devices (every batch size a multiple of its size) and every
+host <-> device transfer is explicit, so it runs under ``jax.transfer_guard("disallow")``. Programs compiled:
+one prefill per prompt shape, one segment program per (row size, cache bucket) met and one row gather per
+(rows before, rows after, cache bucket): ``per_doubling=1`` (power-of-two row sizes) bounds them more tightly
+at the price of more padding rows (``benchmarks/RESULTS.md`` §3g).
 """
 from __future__ import annotations
 
