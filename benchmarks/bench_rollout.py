@@ -7,7 +7,7 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 ``repeats`` interleaved timed calls after a warm-up / compile call) and the ratio ours / transformers.
 
     python benchmarks/bench_rollout.py [--quick] [--out FILE]
-    python benchmarks/bench_rollout.py --lengths longtail [--quick] [--out FILE]
+    python benchmarks/bench_rollout.py --lengths longtail [--untimed] [--quick] [--out FILE]
 
 ``run(quick) -> dict`` is what ``mrl bench`` calls.
 
@@ -15,10 +15,13 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 logits are near uniform, and a stop set of V * 8 / N token ids gives each step a ~8 / N chance to end the
 row). Compares the static sampler (``generate``: every row decodes until the longest ends), the live-row
 sampler (``mrl_jax.rollout_live.generate_live``) and ``transformers.generate`` with the same stop set:
-decode row-steps computed per kept token (load-independent), tokens identical (static vs live), wall times.
+decode row-steps computed per kept token and programs compiled per call over a few keys (a run's rounds;
+load-independent, also with ``--untimed``), tokens identical (static vs live, checked), wall times; a table on
+stderr.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -44,10 +47,12 @@ CASES = {
 }
 LONGTAIL = {
     True: dict(batch=64, samples=8, prompt_len=16, new_tokens=128, hidden=64, layers=2, heads=4, kv_heads=2,
-               vocab=512, repeats=2, segment=8),
+               vocab=512, repeats=2, segment=8, rounds=3),
     False: dict(batch=128, samples=8, prompt_len=32, new_tokens=512, hidden=96, layers=2, heads=4, kv_heads=2,
-                vocab=512, repeats=3, segment=8),
+                vocab=512, repeats=3, segment=8, rounds=4),
 }
+# generate_live's row sizes per doubling (rollout_live.row_bucket): 4 (the default) and powers of two
+LIVE_VARIANTS = {"live": 4, "live_pow2": 1}
 PLAN = {
     True: [("llama", "quick"), ("llama", "quick_g8")],
     False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8"), ("qwen3", "demo_g8"),
@@ -219,30 +224,80 @@ def _timed(fns: dict, repeats: int) -> dict:
     return {k: min(v) for k, v in times.items()}
 
 
-def bench_longtail(s: dict) -> dict:
-    """Static vs live-row sampler vs transformers on long-tailed completion lengths (module docstring)."""
-    import jax
-    import torch
+def _longtail_setup(s: dict):
+    """(hf model, ids, mask, graphdef, params, stop ids, SamplingConfig) of a long-tailed case."""
     from flax import nnx
 
     from mrl_jax import models
-    from mrl_jax.bench_env import section
-    from mrl_jax.rollout import SamplingConfig, generate
-    from mrl_jax.rollout_live import generate_live
+    from mrl_jax.rollout import SamplingConfig
 
     hf = _hf_model("llama", s)
     ids, mask = _prompts(s, s["vocab"])
-    b, n, g = s["batch"], s["new_tokens"], s["samples"]
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         graphdef, params = nnx.split(models.from_pretrained(tmp))
-    stops = tuple(range(3, 3 + max(1, s["vocab"] * 8 // n)))
-    cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, eos_id=stops, pad_id=0)
-    jids, jmask, key = jax.numpy.asarray(ids), jax.numpy.asarray(mask), jax.random.key(0)   # same work each call
-    static = jax.device_get(generate(graphdef, params, jids, jmask, key, cfg, num_samples=g))
-    live, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g, segment=s["segment"])
-    lengths = np.asarray(static.lengths)
-    kept = int(lengths.sum())
+    stops = tuple(range(3, 3 + max(1, s["vocab"] * 8 // s["new_tokens"])))
+    cfg = SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=stops, pad_id=0)
+    return hf, ids, mask, graphdef, params, stops, cfg
+
+
+def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
+    """Load-independent figures over ``s["rounds"]`` keys (a run's rounds): row-steps per kept token of each
+    sampler and the programs each call compiled (each sampler from empty jit caches, its rounds in order); raises
+    when a live sampler's tokens differ from the static ones."""
+    import jax
+
+    from mrl_jax.compile_stats import CompileCounter
+    from mrl_jax.rollout import generate
+    from mrl_jax.rollout_live import generate_live
+
+    g, b = s["samples"], s["batch"]
+    jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
+    keys = [jax.random.fold_in(jax.random.key(0), r) for r in range(s["rounds"])]
+    rows, statics = [], []
+    jax.clear_caches()
+    for key in keys:
+        with CompileCounter() as cs:
+            static = jax.device_get(generate(graphdef, params, jids, jmask, key, cfg, num_samples=g))
+        statics.append(static)
+        lengths = np.asarray(static.lengths)
+        rows.append({"kept": int(lengths.sum()), "mean_length": float(lengths.mean()),
+                     "max_length": int(lengths.max()), "static_row_steps": b * int(lengths.max()),
+                     "static_compiles": cs.programs})
+    for name, per in LIVE_VARIANTS.items():
+        jax.clear_caches()
+        for r, (key, static, row) in enumerate(zip(keys, statics, rows)):
+            with CompileCounter() as cl:
+                live, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g,
+                                            segment=s["segment"], per_doubling=per)
+            if not (np.array_equal(live.tokens, static.tokens) and np.array_equal(live.mask, static.mask)):
+                raise AssertionError(f"longtail round {r}: {name}'s tokens differ from the static sampler's")
+            row.update({f"{name}_row_steps": stats["row_steps"], f"{name}_compiles": cl.programs,
+                        f"{name}_batch_sizes": stats["batch_sizes"],
+                        f"{name}_logprob_max_diff": float(np.abs(live.logprobs - static.logprobs).max())})
+    kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(LIVE_VARIANTS)
+    return {"rounds": rows, "tokens_identical": True,
+            "row_steps_per_kept_token": {k: sum(x[f"{k}_row_steps"] for x in rows) / kept for k in names},
+            "compiles_per_round": {k: [x[f"{k}_compiles"] for x in rows] for k in names}}
+
+
+def bench_longtail(s: dict, timed: bool = True) -> dict:
+    """Static vs live-row sampler vs transformers on long-tailed completion lengths (module docstring)."""
+    import jax
+    import torch
+
+    from mrl_jax.bench_env import section
+    from mrl_jax.rollout import generate
+    from mrl_jax.rollout_live import generate_live
+
+    hf, ids, mask, graphdef, params, stops, cfg = _longtail_setup(s)
+    b, n, g, tp = s["batch"], s["new_tokens"], s["samples"], ids.shape[1]
+    out = {"rows": b, "max_new_tokens": n, "stop_ids": len(stops), "segment": s["segment"],
+           **longtail_counts(s, graphdef, params, ids, mask, cfg)}
+    first = out["rounds"][0]
+    if not timed:
+        return out
+    jids, jmask, key = jax.numpy.asarray(ids), jax.numpy.asarray(mask), jax.random.fold_in(jax.random.key(0), 0)
     tids, tmask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
 
     def hf_fn():
@@ -252,26 +307,52 @@ def bench_longtail(s: dict) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    hf_gen = hf_fn()[:, tp:].numpy()   # the same distribution, its own random numbers
+    ended = np.isin(hf_gen, stops)
+    hf_len = np.where(ended.any(1), ended.argmax(1) + 1, hf_gen.shape[1])
     with section("longtail") as load:
         t = _timed({"static": lambda: jax.block_until_ready(generate(graphdef, params, jids, jmask, key, cfg,
                                                                       num_samples=g)),
-                    "live": lambda: generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g,
-                                                  segment=s["segment"]),
+                    **{name: functools.partial(generate_live, graphdef, params, ids, mask, key, cfg, num_samples=g,
+                                               segment=s["segment"], per_doubling=per)
+                       for name, per in LIVE_VARIANTS.items()},
                     "hf": hf_fn}, s["repeats"])
-    return {
-        "rows": b, "max_new_tokens": n, "stop_ids": len(stops), "segment": s["segment"],
-        "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
-        "median_length": float(np.median(lengths)), "truncated": float(np.asarray(static.truncated).mean()),
-        "tokens_identical": bool(np.array_equal(live.tokens, np.asarray(static.tokens))),
-        "row_steps_per_kept_token": {"static": b * int(lengths.max()) / kept, "live": stats["row_steps"] / kept},
-        "live_segments": stats["segments"], "live_batch_sizes": stats["batch_sizes"],
-        "seconds": t, "live_speedup_vs_static": t["static"] / t["live"], "live_speedup_vs_hf": t["hf"] / t["live"],
+    out.update({
+        "seconds": t, "kept_tokens_timed": {**{k: first["kept"] for k in ("static",) + tuple(LIVE_VARIANTS)},
+                                            "hf": int(hf_len.sum())},
+        "hf_row_steps_per_kept_token": b * hf_gen.shape[1] / hf_len.sum(),
+        "live_speedup_vs_static": t["static"] / t["live"], "live_speedup_vs_hf": t["hf"] / t["live"],
         "load": load, "contended": load["contended"],
-    }
+    })
+    return out
 
 
-def run_longtail(quick: bool = False) -> dict:
-    return {"benchmark": "rollout_longtail", "quick": quick, "results": bench_longtail(LONGTAIL[bool(quick)])}
+def longtail_table(r: dict) -> str:
+    """The figures of :func:`bench_longtail` as a markdown table."""
+    rs = r["row_steps_per_kept_token"]
+    lines = [f"long-tailed lengths: {r['rows']} rows, max {r['max_new_tokens']} new tokens, mean length "
+             f"{np.mean([x['mean_length'] for x in r['rounds']]):.1f} over {len(r['rounds'])} keys; tokens identical "
+             f"(static vs live): {r['tokens_identical']}",
+             "| sampler | row-steps per kept token | compiles per round | seconds | kept tokens / s |",
+             "|---|---|---|---|---|"]
+    sec, kept = r.get("seconds", {}), r.get("kept_tokens_timed", {})
+    for name, label in (("static", "static (generate)"), ("live", "live (generate_live)"),
+                        ("live_pow2", "live, power-of-two rows"), ("hf", "transformers")):
+        steps = rs.get(name, r.get("hf_row_steps_per_kept_token") if name == "hf" else None)
+        comp = r["compiles_per_round"].get(name, "-")
+        t = sec.get(name)
+        lines.append(f"| {label} | {'-' if steps is None else f'{steps:.2f}'} | {comp} | "
+                     f"{'-' if t is None else f'{t:.3f}'} | {'-' if t is None else f'{kept[name] / t:.0f}'} |")
+    if sec:
+        lines.append(f"live vs static: {r['live_speedup_vs_static']:.2f}x, live vs transformers: "
+                     f"{r['live_speedup_vs_hf']:.2f}x (contended: {r['contended']})")
+    return "\n".join(lines)
+
+
+def run_longtail(quick: bool = False, timed: bool = True) -> dict:
+    r = bench_longtail(LONGTAIL[bool(quick)], timed)
+    print(longtail_table(r), file=sys.stderr)
+    return {"benchmark": "rollout_longtail", "quick": quick, "timed": timed, "results": r}
 
 
 def run(quick: bool = False) -> dict:
@@ -308,8 +389,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed")
+    ap.add_argument("--untimed", action="store_true", help="longtail: only the load-independent figures")
     known, rest = ap.parse_known_args(argv)
-    return script_main(run_longtail if known.lengths == "longtail" else run, __doc__.splitlines()[0], rest)
+    if known.lengths == "longtail":
+        return script_main(lambda quick: run_longtail(quick, not known.untimed), __doc__.splitlines()[0], rest)
+    return script_main(run, __doc__.splitlines()[0], rest)
 
 
 if __name__ == "__main__":

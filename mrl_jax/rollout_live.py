@@ -15,10 +15,20 @@ the static sampler's decode loop on fewer rows.
 
 Same key => same tokens as :func:`mrl_jax.rollout.generate`: a row's uniforms at step i are
 ``row_uniforms(key, B, N)[row, i]`` wherever the row sits, and its logits do not depend on the other rows.
+
+The training round runs one :func:`live_rollout` per policy (a generator that yields after dispatching each
+program) and :func:`drive` steps them in turn, so one policy's segment runs while the host reads another's.
+With ``mesh`` the rows are split over the mesh's devices (every batch size a multiple of its size) and every
+host <-> device transfer is explicit, so it runs under ``jax.transfer_guard("disallow")``. Programs compiled:
+one prefill per prompt shape, one segment program per (row size, cache bucket) met and one row gather per
+(rows before, rows after, cache bucket): ``per_doubling=1`` (power-of-two row sizes) bounds them more tightly
+at the price of more padding rows (``benchmarks/RESULTS.md`` §3g).
 """
 from __future__ import annotations
 
 import functools
+import inspect
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,22 +38,32 @@ from flax import nnx
 from mrl_jax.rollout import Rollout, SamplingConfig, _record, gen_buckets, row_uniforms
 from mrl_jax.sampling import sample_rows
 
-__all__ = ["generate_live", "row_bucket"]
+__all__ = ["generate_live", "live_rollout", "drive", "row_bucket"]
 
 
-def row_bucket(n: int, total: int) -> int:
-    """Rows a batch of ``n`` live rows is padded to: ``n`` rounded up to a multiple of a quarter of its
-    largest power of two (<= 25 % padding, at most 4 sizes per doubling), never above ``total``."""
-    if n <= 4:
-        return min(n, total)
-    step = (1 << (n.bit_length() - 1)) // 4
-    return min(-(-n // step) * step, total)
+def row_bucket(n: int, total: int, multiple: int = 1, per_doubling: int = 4) -> int:
+    """Rows a batch of ``n`` live rows is padded to: ``n`` rounded up to a multiple of 1 / ``per_doubling`` of its
+    largest power of two (``per_doubling`` 4: <= 25 % padding, 4 sizes per doubling; 1: powers of two, fewer
+    programs to compile), then to a multiple of ``multiple`` (the devices the rows are split over), never above
+    ``total``."""
+    if n > per_doubling:
+        step = (1 << (n.bit_length() - 1)) // per_doubling
+        n = -(-n // step) * step
+    return min(-(-n // multiple) * multiple, total)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples",))
-def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int):
+def _constrain(tree, rows):
+    """``tree``'s leaves (rows first) split over ``rows`` (a sharding; None: unchanged)."""
+    if rows is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "rows"))
+def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, rows=None):
     """Prefill once, copy each prompt's cache to its G rows (joint layout), sample token 0. Returns (cache,
-    tok int32[B], logprobs f32[2, B], prompt_len int32[B], uniforms f32[B, N, 2] or None)."""
+    tok int32[B], logprobs f32[B, 2], prompt_len int32[B], uniforms f32[B, N, 2] or None), rows split over
+    ``rows``."""
     model = nnx.merge(graphdef, params)
     p, tp = prompt_ids.shape
     g, n = num_samples, config.max_new_tokens
@@ -60,15 +80,16 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)
     u = None if config.is_greedy else row_uniforms(key, p * g, n)
     tok, lp, slp = sample_rows(logits, None if u is None else u[:, 0].T[..., None], config)
-    return cache, tok, jnp.stack([lp, slp]), jnp.repeat(jnp.sum(pmask, -1, dtype=jnp.int32), g), u
+    prompt_len = jnp.repeat(jnp.sum(pmask, -1, dtype=jnp.int32), g)
+    return _constrain((cache, tok, jnp.stack([lp, slp], -1), prompt_len, u), rows)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), static_argnames=("rows",))
 def _segment(graphdef, params, cache, tok, done, prompt_len, u, config: SamplingConfig, width: int, gen_len: int,
-             start, stop):
+             start, stop, *, rows=None):
     """Decode steps [start, stop) (stop - start <= width) of S rows on a joint cache grown to ``gen_len``;
-    stops early when every row is done. Returns (cache, tok, done, tokens int32[S, width], logps f32[2, S, width],
-    mask bool[S, width]) with step i in column i - start."""
+    stops early when every row is done. Returns (cache, tok, done, tokens int32[S, width], logps f32[S, 2, width],
+    mask bool[S, width]) with step i in column i - start, rows split over ``rows``."""
     model = nnx.merge(graphdef, params)
     s = tok.shape[0]
     pad = jnp.int32(config.pad_id)
@@ -86,13 +107,17 @@ def _segment(graphdef, params, cache, tok, done, prompt_len, u, config: Sampling
     def cond(state):
         return (state[0] < stop) & ~jnp.all(state[3])
 
-    init = (jnp.asarray(start, jnp.int32), cache, tok, done, jnp.full((s, width), pad, jnp.int32),
+    init = (start, cache, tok, done, jnp.full((s, width), pad, jnp.int32),
             jnp.zeros((2, s, width), jnp.float32), jnp.zeros((s, width), bool))
     _, cache, tok, done, tokens, logps, out_mask = jax.lax.while_loop(cond, body, init)
-    return cache, tok, done, tokens, logps, out_mask
+    return _constrain((cache, tok, done, tokens, logps.transpose(1, 0, 2), out_mask), rows)
 
 
-_take_rows = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _take_rows(tree, idx, pad_done, *, rows=None):
+    """(cache, tok, done, prompt_len, u)'s rows ``idx``; ``done`` replaced by ``pad_done`` (padding rows)."""
+    cache, tok, _, prompt_len, u = jax.tree.map(lambda x: x[idx], tree)
+    return _constrain((cache, tok, pad_done, prompt_len, u), rows)
 
 
 def _segments(n: int, config: SamplingConfig, width: int):
@@ -106,52 +131,113 @@ def _segments(n: int, config: SamplingConfig, width: int):
     return out
 
 
+def _placement(mesh, b: int):
+    """(rows sharding or None, a function placing a host value replicated / on the default device, devices)."""
+    if mesh is None:
+        return None, jax.device_put, 1
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mrl_jax.mwra import batch_sharding
+
+    d = int(mesh.devices.size)
+    if b % d:
+        raise ValueError(f"generate_live: {b} rows do not split over the mesh's {d} devices; pad the prompts to a "
+                         f"multiple of {d} (mrl_jax.trainer.placement.pad_prompts)")
+    repl = NamedSharding(mesh, PartitionSpec())
+    return batch_sharding(mesh), lambda x: jax.device_put(x, repl), d
+
+
+def live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
+                 segment: int = 8, mesh=None, per_doubling: int = 4):
+    """:func:`generate_live` as a generator, its prefill already dispatched: it yields after dispatching each
+    device program (before reading its result), so :func:`drive` can interleave several policies' samplers; its
+    return value is (Rollout, stats). ``mesh``: rows split over its devices (P * G a multiple of its size), every
+    transfer explicit (it runs under ``jax.transfer_guard("disallow")``). ``per_doubling``: row sizes per doubling
+    (:func:`row_bucket`)."""
+    if int(segment) < 1:
+        raise ValueError(f"generate_live: segment must be >= 1, got {segment}")
+    if per_doubling not in (1, 2, 4, 8):
+        raise ValueError(f"generate_live: per_doubling must be 1, 2, 4 or 8, got {per_doubling}")
+    b = int(np.shape(prompt_ids)[0]) * int(num_samples)
+    gen = _live(graphdef, params, prompt_ids, prompt_mask, key, config, int(num_samples), int(segment),
+                int(per_doubling), *_placement(mesh, b))
+    next(gen)
+    return gen
+
+
+def _live(graphdef, params, prompt_ids, prompt_mask, key, config, g, segment, per_doubling, rows_s, put, d):
+    """The body of :func:`live_rollout` (rows_s, put, d: :func:`_placement`)."""
+    n = config.max_new_tokens
+    b = int(np.shape(prompt_ids)[0]) * g
+    put_rows = put if rows_s is None else (lambda x: jax.device_put(x, rows_s))
+    state = _start(graphdef, params, put_rows(prompt_ids), put_rows(prompt_mask), put(key), config,
+                   num_samples=g, rows=rows_s)
+    yield
+    tok0, lp0 = jax.device_get(state[1:3])
+    eos = np.asarray(config.eos_ids, np.int64)
+    tokens = np.full((b, n), config.pad_id, np.int32)
+    logps, mask = np.zeros((b, 2, n), np.float32), np.zeros((b, n), bool)
+    tokens[:, 0], logps[:, :, 0], mask[:, 0] = tok0, lp0, True
+    done = np.isin(tokens[:, 0], eos)
+    state = (state[0], state[1], put_rows(done), state[3], state[4])
+    slots = np.arange(b)                         # global row of each slot; -1: a padding slot
+    stats = {"row_steps": b, "segments": 0, "batch_sizes": []}   # step 0 (from the prefill) on every row
+    for start, stop, gen_len in _segments(n, config, segment):
+        live = np.flatnonzero((slots >= 0) & ~done[np.maximum(slots, 0)])   # slots of unfinished rows
+        if live.size == 0:
+            break
+        size = row_bucket(live.size, b, d, per_doubling)
+        if size < slots.size:   # compact: the live slots first, padded with copies of one (marked done)
+            idx = np.concatenate([live, np.full(size - live.size, live[0])]).astype(np.int32)
+            state = _take_rows(state, put(idx), put_rows(np.arange(size) >= live.size), rows=rows_s)
+            slots = np.concatenate([slots[live], np.full(size - live.size, -1)])
+        cache, tok, dn, seg_tok, seg_lp, seg_mask = _segment(
+            graphdef, params, *state, config, segment, gen_len, put(np.int32(start)), put(np.int32(stop)),
+            rows=rows_s)
+        state = (cache, tok, dn, state[3], state[4])
+        yield
+        seg_tok, seg_lp, seg_mask, dn = jax.device_get((seg_tok, seg_lp, seg_mask, dn))
+        real, w = slots >= 0, stop - start
+        tokens[slots[real], start:stop] = seg_tok[real, :w]
+        logps[slots[real], :, start:stop] = seg_lp[real, :, :w]
+        mask[slots[real], start:stop] = seg_mask[real, :w]
+        done[slots[real]] = dn[real]
+        stats["row_steps"] += slots.size * int(np.max(seg_mask.sum(-1)))
+        stats["segments"] += 1
+        stats["batch_sizes"].append(int(slots.size))
+    out = Rollout(tokens=tokens, logprobs=logps[:, 0], sampling_logprobs=logps[:, 1], mask=mask,
+                  lengths=mask.sum(-1, dtype=np.int32), truncated=~done)
+    return out, stats
+
+
+def drive(items: Sequence, stats: list | None = None) -> list:
+    """Run the :func:`live_rollout` generators among ``items`` to the end, one step of each in turn (each one's
+    device work overlaps the others' host reads); returns their Rollouts, other items unchanged. ``stats``: a
+    list that gets each item's stats dict (None for the other items)."""
+    out, pending = list(items), [i for i, x in enumerate(items) if inspect.isgenerator(x)]
+    info = [None] * len(out)
+    while pending:
+        for i in list(pending):
+            try:
+                next(out[i])
+            except StopIteration as stop:
+                out[i], info[i] = stop.value
+                pending.remove(i)
+    if stats is not None:
+        stats.extend(info)
+    return out
+
+
 def generate_live(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *,
-                  num_samples: int = 1, segment: int = 8) -> tuple[Rollout, dict]:
+                  num_samples: int = 1, segment: int = 8, mesh=None, per_doubling: int = 4) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens), computed on the live rows only.
 
     Args as ``generate``; ``segment``: decode steps between two compactions (each one host read of the rows'
-    done flags). Returns (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (row-steps
-    computed, step 0 and padding rows included; the static sampler's is B * max(lengths)), ``segments`` and
-    ``batch_sizes`` (rows of each segment).
+    done flags); ``mesh``, ``per_doubling``: see :func:`live_rollout`. Returns (:class:`Rollout` of host numpy
+    arrays [P * G, N], stats): ``row_steps`` (row-steps computed, step 0 and padding rows included; the static sampler's is
+    B * max(lengths)), ``segments`` and ``batch_sizes`` (rows of each segment).
     """
-    if int(segment) < 1:
-        raise ValueError(f"generate_live: segment must be >= 1, got {segment}")
-    g, n = int(num_samples), config.max_new_tokens
-    cache, tok, lp0, prompt_len, u = _start(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
-                                            key, config, num_samples=g)
-    b = tok.shape[0]
-    eos = np.asarray(config.eos_ids, np.int64)
-    tokens = np.full((b, n), config.pad_id, np.int32)
-    logps, mask = np.zeros((2, b, n), np.float32), np.zeros((b, n), bool)
-    tokens[:, 0], logps[:, :, 0], mask[:, 0] = np.asarray(tok), np.asarray(lp0), True
-    done = np.isin(tokens[:, 0], eos)
-    rows = np.arange(b)                         # global row of each slot; slots past ``live`` are padding
-    state = (cache, tok, jnp.asarray(done), prompt_len, u)
-    stats = {"row_steps": b, "segments": 0, "batch_sizes": []}   # step 0 (from the prefill) on every row
-    for start, stop, gen_len in _segments(n, config, int(segment)):
-        live = np.flatnonzero((rows >= 0) & ~done[np.maximum(rows, 0)])   # slots of unfinished rows
-        if live.size == 0:
-            break
-        size = row_bucket(live.size, b)
-        if size < rows.size:   # compact: the live slots first, padded with copies of one (marked done)
-            idx = np.concatenate([live, np.full(size - live.size, live[0])])
-            state = _take_rows(state, jnp.asarray(idx, jnp.int32))
-            pad_done = np.arange(size) >= live.size
-            state = state[:2] + (jnp.asarray(pad_done),) + state[3:]
-            rows = np.concatenate([rows[live], np.full(size - live.size, -1)])
-        cache, tok, dn, seg_tok, seg_lp, seg_mask = _segment(graphdef, params, *state[:4], state[4], config,
-                                                             int(segment), gen_len, start, stop)
-        state = (cache, tok, dn, state[3], state[4])
-        seg_tok, seg_lp, seg_mask, dn = (np.asarray(x) for x in (seg_tok, seg_lp, seg_mask, dn))
-        real, w = rows >= 0, stop - start
-        tokens[rows[real], start:stop] = seg_tok[real, :w]
-        logps[:, rows[real], start:stop] = seg_lp[:, real, :w]
-        mask[rows[real], start:stop] = seg_mask[real, :w]
-        done[rows[real]] = dn[real]
-        stats["row_steps"] += rows.size * int(np.max(seg_mask.sum(-1)))
-        stats["segments"] += 1
-        stats["batch_sizes"].append(int(rows.size))
-    out = Rollout(tokens=tokens, logprobs=logps[0], sampling_logprobs=logps[1], mask=mask,
-                  lengths=mask.sum(-1, dtype=np.int32), truncated=~done)
-    return out, stats
+    stats: list = []
+    out = drive([live_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
+                              segment=segment, mesh=mesh, per_doubling=per_doubling)], stats)
+    return out[0], stats[0]

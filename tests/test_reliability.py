@@ -14,6 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -489,7 +490,7 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
     """Row 0 of every group ends at once (empty completion); row 1 of the byte-BPE policy is a lone UTF-8
     lead byte (text that does not survive retokenization): the run completes and THL reports them."""
     import mrl_jax.trainer.round as round_mod
-    from mrl_jax.rollout import generate as real_generate
+    from mrl_jax.rollout_live import drive
 
     from mrl_jax.trainer.loop import build_task, task_corpus
     from mrl_jax.trainer.policy import build_tokenizer
@@ -497,11 +498,12 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
     cfg = cfg_of(**base_overrides(rounds=2))
     tok = build_tokenizer(cfg.policies[0], task_corpus(build_task(cfg)))
     lead = next(i for i in range(tok.vocab_size) if tok.decode_bytes([i]) == b"\xc3")
+    real_dispatch = round_mod._dispatch_rollout
 
-    def generate(graphdef, params, ids, mask, key, sampling, num_samples=1):
-        out = real_generate(graphdef, params, ids, mask, key, sampling, num_samples=num_samples)
+    def dispatch(pol, ps, ids, mask, key):   # the real samples, then every 4th row empty, the next a lead byte
+        out = jax.device_get(drive([real_dispatch(pol, ps, ids, mask, key)])[0])
         tokens, m = np.array(out.tokens), np.array(out.mask)
-        eos, pad = sampling.eos_id, sampling.pad_id
+        eos, pad = pol.sampling.eos_id, pol.sampling.pad_id
         eos = eos[0] if isinstance(eos, tuple) else eos
         B, N = tokens.shape
         for b in range(0, B, 4):
@@ -512,7 +514,7 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
         return out.replace(tokens=tokens, mask=m, lengths=lengths, truncated=np.zeros(B, bool),
                            logprobs=np.where(m, np.array(out.logprobs), 0.0).astype(np.float32))
 
-    monkeypatch.setattr(round_mod, "generate", generate)
+    monkeypatch.setattr(round_mod, "_dispatch_rollout", dispatch)
     out = tmp_path / "degenerate"
     train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
     records = soak.training_records(out)

@@ -9,13 +9,12 @@ from collections import defaultdict
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mrl_jax import evaluation as metrics_lib
-from mrl_jax.rollout import generate
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
+from mrl_jax.trainer.placement import mesh_generate
 from mrl_jax.trainer.policy import Policy, PolicyState
 
 
@@ -36,13 +35,7 @@ def evaluate_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seq
         chunk = chunk + [chunk[-1]] * (batch_size - n) if len(prompts) > batch_size else chunk
         ids, mask, _ = encode_prompts(policy.tokenizer, policy.prompt_format, [p.text for p in chunk],
                                      max_width=policy.prompt_limit)
-        if policy.mesh is not None:   # on the policy's MWRA mesh, read on every process
-            from mrl_jax.trainer.placement import mesh_generate
-
-            out = mesh_generate(policy, state.params, ids, mask, jax.random.key(0), greedy)
-        else:
-            out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask),
-                                          jax.random.key(0), greedy))
+        out = mesh_generate(policy, state.params, ids, mask, jax.random.key(0), greedy)   # read on every process
         texts, _ = decode_completions(policy.tokenizer, out.tokens, out.mask, policy.sampling.eos_ids)
         for p, t in zip(chunk[:n], texts[:n]):
             hits[prompt_group(p)].append(float(task.verify(p, t) >= 1.0))
@@ -71,13 +64,7 @@ def sample_policy(policy: Policy, state: PolicyState, task: Task, prompts: Seque
         chunk = chunk + [chunk[-1]] * (batch_size - n) if len(prompts) > batch_size else chunk
         ids, mask, _ = encode_prompts(policy.tokenizer, policy.prompt_format, [p.text for p in chunk])
         key = jax.random.fold_in(jax.random.key(seed), start)
-        if policy.mesh is not None:
-            from mrl_jax.trainer.placement import mesh_generate
-
-            out = mesh_generate(policy, state.params, ids, mask, key, cfg, num_samples=num_samples)
-        else:
-            out = jax.device_get(generate(policy.graphdef, state.params, jnp.asarray(ids), jnp.asarray(mask), key,
-                                          cfg, num_samples=num_samples))
+        out = mesh_generate(policy, state.params, ids, mask, key, cfg, num_samples=num_samples)
         texts, _ = decode_completions(policy.tokenizer, out.tokens, out.mask, policy.sampling.eos_ids)
         for i, p in enumerate(chunk[:n]):
             row = texts[i * num_samples:(i + 1) * num_samples]

@@ -10,8 +10,8 @@ prompts, dense SEE prompt ids, key and index. Each phase returns one immutable v
 samples (``Sampled``), SEE counters, views, the staged own rows (``rows.Rows``, the record the loss reads) and
 the update's results. Wall time is split per phase in ``metrics[name]["time/<phase>"]``.
 
-Placement (MWRA, `mrl_jax.trainer.placement`): a policy with a ``mesh`` has its rollout and update jitted for
-that mesh. Its prompt rows are padded to a multiple of the data axis with copies of the last prompt (their
+Placement (MWRA, `mrl_jax.trainer.placement`): every policy has its mesh (``Run`` places them; one device by
+default) and its steps jitted for it. Its prompt rows are padded to a multiple of the data axis with copies of the last prompt (their
 samples are dropped on the host: the sampler's noise per row does not depend on the row count, so the real
 rows are those of an unpadded run). The update batch is put on the mesh explicitly, rows split over the data
 axis where P and P*G divide it and replicated otherwise (own GRPO rows are not padded: a padding group would
@@ -34,8 +34,7 @@ from flax import struct
 from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
-from mrl_jax import rollout as _rollout
-from mrl_jax.rollout import generate
+from mrl_jax.rollout_live import drive, live_rollout
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
@@ -144,20 +143,19 @@ def _mean_metrics(dicts: list[dict], prefix: str) -> dict:
 
 
 def _replicated(pol: Policy, x):
-    """``x`` (a key, a scalar) put on ``pol``'s mesh, replicated (explicit); unchanged without a mesh."""
-    if pol.mesh is None:
-        return x
+    """``x`` (a key, a scalar) put on ``pol``'s mesh, replicated (explicit)."""
     return mwra.put(x, jax.sharding.NamedSharding(pol.mesh, mwra.REPLICATED))
 
 
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
-    """Launch policy ``pol``'s rollout (not awaited). On a mesh: prompt rows padded to a multiple of the data
-    axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly."""
-    if pol.mesh is None or pol.rollout is None or generate is not _rollout.generate:
-        # unpinned: no mesh, or this module's ``generate`` replaced (tests inject degenerate samples that way)
-        return generate(pol.graphdef, ps.params, jnp.asarray(ids), jnp.asarray(mask), key, pol.sampling,
-                        num_samples=pol.num_generations)
+    """Launch policy ``pol``'s rollout on its mesh (not awaited): prompt rows padded to a multiple of the data
+    axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly. One
+    process: the live sampler (``rollout_live``: a generator that `drive` steps; the batch follows the live
+    rows); several: the pinned static sampler (the live one reads its rows' done flags on one host)."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
+    if jax.process_count() == 1:
+        return live_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
+                            num_samples=pol.num_generations, mesh=pol.mesh)
     rows = mwra.batch_sharding(pol.mesh)
     return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
 
@@ -197,6 +195,8 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
             launched.append(_dispatch_rollout(pol, ps, ids, mask, keys[pol.index]))
         encoded.append((ids, mask))
         stamps.append({"rollout_dispatched": time.perf_counter() - t0})
+    with guard():   # the live samplers to the end, one program of each policy in turn
+        launched = drive(launched)
     out = []
     for pol, (ids, mask), run, st in zip(policies, encoded, launched, stamps):
         st["rollout_read"] = time.perf_counter() - t0
@@ -255,11 +255,8 @@ def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> 
     rows = own_rows(np.asarray(s.prompt_ids), np.asarray(s.prompt_mask), np.asarray(out.tokens),
                     np.asarray(out.mask, np.float32), np.asarray(out.logprobs), np.zeros(out.logprobs.shape, np.float32),
                     np.asarray(s.score.rewards, np.float32), np.asarray(out.truncated), consumer=pol.index)
-    if pol.mesh is None:
-        rows = jax.device_put(rows)
-    else:
-        rows = mwra.shard_batch(rows, pol.mesh, strict=False)
-        view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
+    rows = mwra.shard_batch(rows, pol.mesh, strict=False)
+    view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
     return rows, view, _iteration_keys(pol, keys[num_policies + pol.index])
 
 
@@ -323,6 +320,9 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around the device parts (rollout and
     update dispatch); every transfer there is an explicit ``mwra.put``.
     """
+    unplaced = [pol.name for pol in policies if pol.mesh is None]
+    if unplaced:
+        raise ValueError(f"run_round: policies {unplaced} have no mesh; build them with trainer.Run (placement on)")
     timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts, states, N = list(inputs.prompts), state.policies, len(policies)
