@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.learner import GRPOConfig
 from mrl_jax.probes import make_probe, run_option_conflicts
+from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -381,6 +382,14 @@ class RunConfig:
     reward_timeout_s: float = field(5.0, help="time limit of one reward call")
     max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
     max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
+    dynamic_sampling: DynamicSamplingSpec = field(
+        default_factory=DynamicSamplingSpec,
+        help="DAPO's dynamic sampling (verl's algorithm.filter_groups): groups whose rewards are all equal leave "
+             "each policy's PG loss and its denominators, and up to max_num_gen_batches batches of prompts are "
+             "generated to keep prompts_per_round useful prompts. SGT still sees its all-fail groups (a policy "
+             "whose probe reads peers keeps its all-fail prompts; only its own PG rows leave), PRP's peer rows "
+             "stay; under XGRPO a uniform own group leaves too, with its pooled advantage. Metrics "
+             "dynamic_sampling/kept_groups, /generated_batches, /drawn_prompts (mrl_jax.trainer.dynamic_sampling)")
     overlong_prompts: Literal["reject", "truncate"] = field(
         "reject", help="prompts longer than a policy's max_prompt_length: 'reject' = never sample them (the "
                        "round draws others), 'truncate' = keep the longest tail of the prompt text that fits every "

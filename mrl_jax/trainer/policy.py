@@ -20,10 +20,11 @@ from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
-from mrl_jax.probes import Probe, make_probe
+from mrl_jax.probes import Probe, chain, make_probe
 from mrl_jax.rollout import SamplingConfig
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
+from mrl_jax.trainer.dynamic_sampling import filter_groups
 
 
 @struct.dataclass
@@ -246,6 +247,8 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
     probe = make_probe(spec.probes)
+    if run.dynamic_sampling.enable:   # DAPO's filter: uniform groups leave the PG loss (trainer.dynamic_sampling)
+        probe = chain(filter_groups(), probe)
     grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
     if spec.lora.rank:
         update = _lora_update(model, optimizer, probe, grpo_cfg, opt.micro_batch_size)

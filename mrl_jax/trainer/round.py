@@ -62,6 +62,7 @@ class RoundInputs:
     dense_ids: np.ndarray
     key: jax.Array
     counts: dict = dataclasses.field(default_factory=dict)
+    oversampler: Any = None   # dynamic sampling (``trainer.dynamic_sampling.Oversampler``); None = off
 
 
 _see_add = jax.jit(see_lib.add)
@@ -304,6 +305,21 @@ def _lane_metrics(ln: _Lane, inputs: RoundInputs, tau: float, times: dict) -> di
     return m
 
 
+def _sample(lanes: Sequence[_Lane], prompts: Sequence, keys: Sequence, scorer, guard, timer: PhaseTimer,
+            t0: float) -> None:
+    """Phases rollout, decode and rewards of ``prompts`` for every lane (``keys``: the round's 2N keys)."""
+    with timer("rollout"):
+        _rollouts(lanes, [p.text for p in prompts], keys, guard, t0)
+    with timer("decode"):
+        for ln in lanes:
+            ln.texts, ln.content = decode_completions(ln.pol.tokenizer, ln.out.tokens, ln.out.mask,
+                                                      ln.pol.sampling.eos_ids)
+    with timer("rewards"):
+        for ln in lanes:
+            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts,
+                                    completion_ids=ln.content)
+
+
 def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, scorer, *,
               num_samples_logged: int = 2, device_guard: str | None = None) -> tuple[RunState, dict, list]:
     """Run one round for every policy on ``inputs.prompts``; returns ``(state, {policy: metrics}, samples)``.
@@ -321,16 +337,16 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     prompts = list(inputs.prompts)
     lanes = [_Lane(pol=pol, ps=ps) for pol, ps in zip(policies, state.policies)]
     keys = list(jax.random.split(inputs.key, 2 * len(policies)))   # indexed here, outside any transfer guard
-    with timer("rollout"):
-        _rollouts(lanes, [p.text for p in prompts], keys, guard, t0)
-    with timer("decode"):
-        for ln in lanes:
-            ln.texts, ln.content = decode_completions(ln.pol.tokenizer, ln.out.tokens, ln.out.mask,
-                                                      ln.pol.sampling.eos_ids)
-    with timer("rewards"):
-        for ln in lanes:
-            ln.score = scorer.score([p for p in prompts for _ in range(ln.pol.num_generations)], ln.texts,
-                                    completion_ids=ln.content)
+    _sample(lanes, prompts, keys, scorer, guard, timer, t0)
+    if inputs.oversampler is not None:   # dynamic sampling: more prompt batches, the kept batch's lanes
+        def more(extra: RoundInputs) -> list:
+            fresh = [_Lane(pol=ln.pol, ps=ln.ps) for ln in lanes]
+            _sample(fresh, list(extra.prompts), list(jax.random.split(extra.key, 2 * len(policies))), scorer,
+                    guard, timer, t0)
+            return fresh
+
+        lanes, inputs = inputs.oversampler.fill(lanes, inputs, float(state.see.tau), more)
+        prompts = list(inputs.prompts)
     with timer("see"):   # ready before the phase ends: the views read it at once, and its time is the SEE's
         see = jax.block_until_ready(_add_experience(state.see, lanes, inputs))
     with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"
