@@ -39,12 +39,14 @@ class GRPOConfig:
     """GRPO loss options, named as TRL's GRPOConfig."""
 
     num_generations: int = field(8, help="G: completions sampled per prompt (group size)")
-    max_completion_length: int = field(64, help="completion length limit; dr_grpo divides by it")
+    max_completion_length: int = field(64, help="completion length limit; dr_grpo divides by it (TRL's "
+                                                    "default 512; 64 suits the tiny models)")
     epsilon: float = field(0.2, help="lower clip range: ratio clipped below at 1 - epsilon")
     epsilon_high: Optional[float] = field(None, help="upper clip range (DAPO clip-higher); None = epsilon")
     beta: float = field(0.0, help="k3 KL coefficient to the frozen reference; 0 = no reference needed")
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = field(
-        "grpo", help="aggregation: grpo = per-sequence mean then mean over sequences; dapo = token mean over the "
+        "grpo", help="TRL's default is dapo; kept grpo here because changing it would change the loss "
+                     "of every existing run config (write loss_type: dapo for TRL's). Aggregation: grpo = per-sequence mean then mean over sequences; dapo = token mean over the "
                      "whole batch; bnpo = token mean of each micro-batch, averaged over micro-batches (TRL's "
                      "local normalisation; = dapo with one micro-batch); dr_grpo = token sum / (num_rows * "
                      "max_completion_length)")

@@ -7,6 +7,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py mpresume DIR PROCESS_ID PORT
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/placement_worker.py mpref DIR
     XLA_FLAGS=--xla_force_host_platform_device_count=6 python tests/placement_worker.py invariance DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/placement_worker.py invariance_dynamic DIR
 
 Writes one JSON object, the facts the test asserts on (tests/worker_result.py).
 """
@@ -185,6 +186,35 @@ def invariance(root: Path) -> dict:
                                                          for d, p in ((6, 8), (4, 5))}}
 
 
+def _half_uniform(prompt, completion):
+    """0 on even prompt ids (uniform for every policy: dynamic sampling replaces them), else length parity."""
+    return float(len(completion) % 2) if prompt.id % 2 else 0.0
+
+
+def invariance_dynamic(root: Path) -> dict:
+    """Dynamic sampling (oversampled batches) on 4 devices (2 + 2, 5 prompts: padded rows) and on one device:
+    the kept batch's rows and rewards, its counters, and the final params."""
+    from mrl_jax.tasks import RewardSpec
+
+    over = {"rounds": 2, "prompts_per_round": 5, "dynamic_sampling": {"enable": True, "max_num_gen_batches": 3},
+            "policies.0.probes": "none", "policies.1.probes": "none"}   # a peer-reading probe keeps all-fail groups
+    many = soak.tiny_config(**over, **{"policies.0.devices": 2, "policies.1.devices": 2})
+    many["mwra"] = {**MWRA, "devices": 4}
+    one = soak.tiny_config(**over)
+    one["mwra"] = {**MWRA, "devices": 1}
+    runs = {"many": root / "ds_many", "one": root / "ds_one"}
+    for name, d in (("many", many), ("one", one)):
+        train(soak.to_run_config(d), runs[name], reward_specs=[RewardSpec(_half_uniform, name="half")],
+              progress=False)
+    groups = {k: [(r["policy"], r["round"], r["prompt_ids"], r["rewards"]) for r in jsonl_rows(d / "groups.jsonl")]
+              for k, d in runs.items()}
+    batches = [r.get("dynamic_sampling/generated_batches", 0) for r in metrics_rows(runs["one"])]
+    pa, pb = final_params(runs["many"]), final_params(runs["one"])
+    return {"groups_equal": groups["many"] == groups["one"], "groups": len(groups["one"]),
+            "generated_batches": batches, "final_param_max_diff": max(float(np.max(np.abs(x - y)))
+                                                                      for x, y in zip(pa, pb))}
+
+
 def by_path(tree) -> dict:
     """``{path: numpy array}`` with nnx's ``value`` components dropped (the saved tree spells them out)."""
     return {"/".join(c for c in mwra.path_str(p).split("/") if c != "value"): np.asarray(x)
@@ -256,6 +286,5 @@ def mpref(root: Path) -> dict:
 if __name__ == "__main__":
     mode, root = sys.argv[1], Path(sys.argv[2])
     result = {"main": main, "restore4": restore4, "timeshare": timeshare, "mp": mp, "mpresume": mpresume,
-              "mpref": mpref,
-              "invariance": invariance}[mode](root)
+              "mpref": mpref, "invariance": invariance, "invariance_dynamic": invariance_dynamic}[mode](root)
     worker_result.write(result)

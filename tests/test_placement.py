@@ -171,6 +171,16 @@ def test_samples_do_not_depend_on_the_device_count(tmp_path):
         assert c["final_param_max_diff"] <= 1e-4, (case, c["final_param_max_diff"])
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_does_not_depend_on_the_device_count(tmp_path):
+    """Oversampled batches (dynamic sampling) on 4 devices (2 + 2, 5 prompts: padded rows) equal the 1-device
+    run's: every kept group's prompt ids and rewards, and the final params within 1e-4."""
+    r = _worker("invariance_dynamic", tmp_path, 4, timeout=1500)
+    assert r["groups"] == 4 and r["groups_equal"], r
+    assert max(r["generated_batches"]) > 1, r["generated_batches"]   # the rounds did oversample
+    assert r["final_param_max_diff"] <= 1e-4, r["final_param_max_diff"]
+
+
 def test_restore_8_device_checkpoint_on_4_devices(eight):
     root, _ = eight
     r = _worker("restore4", root, 4)

@@ -3,6 +3,9 @@ MRL training, under probes ``none`` and ``sgt`` over seeds, on a reasoning-gym m
 and on a small parquet file scored by math-verify (``--variant dataset``; the file is written here).
 
     python experiments/reasoning/run.py --out /tmp/reasoning [--variant rg|dataset] [--seeds 3] [--quick]
+    python experiments/reasoning/run.py --out /tmp/reasoning --collect     # tabulate the finished runs
+
+Runs go seed by seed (none, then sgt, for each seed); a finished run (its summary.json) is not run again.
 
 "Before" is the held-out evaluation of the warm-started policies (summary.json's ``before``, the state round 0
 starts from); "after" is the run's final evaluation. Writes results.json and results.md.
@@ -51,19 +54,32 @@ def pick(ev: dict) -> dict:
     return {k: v for k, v in ev.items() if k == "success" or "@" in k}
 
 
-def one(variant: str, probes: str, seed: int, out: Path, quick: bool) -> dict:
-    from mrl_jax.trainer import train
-
-    run_dir = out / f"{variant}_{probes}_s{seed}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config(variant, probes, seed, out, quick)
-    summary = train(cfg, run_dir, progress=False)
+def result_of(variant: str, probes: str, seed: int, summary: dict) -> dict:
+    """The before / after pass@k figures of one run's summary.json."""
     before = summary["before"]
     after = {n: p["eval"] for n, p in summary["policies"].items()}
     return {"variant": variant, "probes": probes, "seed": seed,
             "before": {n: pick(v) for n, v in before.items() if n != "population"}
             | {"population": before["population"]},
             "after": {n: pick(v) for n, v in after.items()} | {"population": summary["population"]}}
+
+
+def one(variant: str, probes: str, seed: int, out: Path, quick: bool) -> dict:
+    from mrl_jax.trainer import train
+
+    run_dir = out / f"{variant}_{probes}_s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = config(variant, probes, seed, out, quick)
+    return result_of(variant, probes, seed, train(cfg, run_dir, progress=False))
+
+
+def collect(out: Path) -> list[dict]:
+    """The results of every finished run under ``out`` (``{variant}_{probes}_s{seed}/summary.json``)."""
+    results = []
+    for summary in sorted(out.glob("*_s*/summary.json")):
+        variant, probes, seed = summary.parent.name.rsplit("_", 2)
+        results.append(result_of(variant, probes, int(seed[1:]), json.loads(summary.read_text())))
+    return results
 
 
 def table(results: list[dict]) -> str:
@@ -78,6 +94,38 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mean_spread(values: list[float]) -> str:
+    """``mean ± sample std`` (``mean`` alone for one value)."""
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{m:.3f}"
+    sd = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{m:.3f} ± {sd:.3f}"
+
+
+def seed_table(results: list[dict]) -> str:
+    """Per (variant, probes, who): pass@1 and pass@K before and after, mean ± std over seeds (n seeds)."""
+    lines = ["| variant | probes | seeds | who | pass@1 before | pass@1 after | pass@K before | pass@K after |",
+             "|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r["variant"], r["probes"]), []).append(r)
+    for (variant, probes), rs in sorted(groups.items()):
+        K = max(int(k.split("@")[1]) for k in rs[0]["after"]["population"] if k.startswith("pass@"))
+        for who in rs[0]["after"]:
+            cells = [_mean_spread([r[when][who][f"pass@{k}"] for r in rs])
+                     for k in (1, K) for when in ("before", "after")]
+            lines.append(f"| {variant} | {probes} | {len(rs)} | {who} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nK = {K}; spread = sample standard deviation over seeds.\n"
+
+
+def write(out: Path, results: list[dict]) -> str:
+    text = seed_table(results) + "\n" + table(results)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(text)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -85,13 +133,18 @@ def main() -> None:
     ap.add_argument("--probes", default="none,sgt")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="6 rounds, 16 eval prompts, K = 4 (a smoke run)")
+    ap.add_argument("--collect", action="store_true", help="only tabulate the finished runs under --out")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [one(args.variant, p, s, args.out, args.quick)
-               for p in args.probes.split(",") for s in range(args.seeds)]
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    (args.out / "results.md").write_text(table(results))
-    print(table(results))
+    if not args.collect:
+        from mrl_jax.compile_cache import enable
+
+        enable()   # the runs share shapes: later ones load their compiled programs from disk
+        for s in range(args.seeds):   # seed-major: an interrupted sweep still pairs the probes per seed
+            for p in args.probes.split(","):
+                if not (args.out / f"{args.variant}_{p}_s{s}" / "summary.json").is_file():
+                    one(args.variant, p, s, args.out, args.quick)
+    print(write(args.out, collect(args.out)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.grpo import normalize_scale
 from mrl_jax.learner import GRPOConfig
 from mrl_jax.probes import RunOptions, make_probe
+from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -63,7 +64,8 @@ class SamplingSpec:
     temperature: float = field(1.0, help="softmax temperature (the learner scores with the same one)")
     top_k: int = field(0, help="keep the k most likely tokens; 0 = off")
     top_p: float = field(1.0, help="nucleus mass; 1.0 = off")
-    min_p: float = field(0.0, help="keep tokens with probability >= min_p x the top one's; 0 = off")
+    min_p: float = field(0.0, help="keep tokens with probability >= min_p x the top one's; 0 = off (TRL's "
+                                           "default None means the same)")
 
     def __post_init__(self):
         check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
@@ -77,7 +79,9 @@ class SamplingSpec:
 class OptimizerSpec:
     """AdamW with global-norm clipping and a schedule."""
 
-    learning_rate: float = field(1e-3, help="peak learning rate")
+    learning_rate: float = field(1e-3, help="peak learning rate (TRL's default 1e-6 suits pretrained LLMs; "
+                                                 "1e-3 suits the tiny from-scratch models a policy without model.path "
+                                                 "builds: set it for a pretrained model)")
     weight_decay: float = field(0.0, help="AdamW decoupled weight decay")
     max_grad_norm: float = field(1.0, help="clip gradients to this global norm; 0 = off")
     warmup_steps: int = field(0, help="linear warm-up steps")
@@ -97,7 +101,8 @@ class WarmStartSpec:
 
     steps: int = field(0, help="SFT steps; 0 = none")
     part: Optional[str] = field(None, help="task part to learn (e.g. 'A'); None = all train prompts")
-    learning_rate: float = field(3e-3, help="SFT learning rate")
+    learning_rate: float = field(3e-3, help="SFT learning rate (TRL's SFTConfig default 2e-5 suits pretrained "
+                                                 "LLMs; 3e-3 suits tiny from-scratch models)")
     batch_size: int = field(64, help="SFT examples per step")
 
 
@@ -187,7 +192,8 @@ class PolicySpec:
     system_prompt: Optional[str] = field(None, help="prompt_format: chat: a system turn before the user turn")
     chat_template_kwargs: dict[str, Any] = field(
         default_factory=dict, help="prompt_format: chat: extra chat-template variables, as TRL's "
-                                   "chat_template_kwargs (e.g. {enable_thinking: false} for Qwen3)")
+                                   "chat_template_kwargs (e.g. {enable_thinking: false} for Qwen3); TRL's "
+                                   "default None means the same as {}")
     stop_tokens: list[Union[int, str]] = field(
         default_factory=list, help="extra stop tokens (spellings such as '<|im_end|>', or ids), added to the "
                                    "tokenizer's EOS and generation_config.json's eos_token_id list")
@@ -356,7 +362,8 @@ class RunConfig:
 
     policies: list[PolicySpec] = field(help="the policies trained together")
     task: TaskSpec = field(default_factory=TaskSpec, help="task")
-    seed: int = field(0, help="run seed (params init, sampling, prompt order)")
+    seed: int = field(0, help="run seed (params init, sampling, prompt order); TRL's (transformers') "
+                                  "default 42, kept 0 so that existing runs keep their prompts and samples")
     rounds: int = field(50, help="number of MRL rounds")
     prompts_per_round: int = field(32, help="prompts per round")
     num_generations: int = field(8, help="completions per prompt per policy (G); >= 2 (a group of one has no "
@@ -383,13 +390,22 @@ class RunConfig:
     reward_timeout_s: float = field(5.0, help="time limit of one reward call")
     max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
     max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
+    dynamic_sampling: DynamicSamplingSpec = field(
+        default_factory=DynamicSamplingSpec,
+        help="DAPO's dynamic sampling (verl's algorithm.filter_groups): groups whose rewards are all equal leave "
+             "each policy's PG loss and its denominators, and up to max_num_gen_batches batches of prompts are "
+             "generated to keep prompts_per_round useful prompts. SGT still sees its all-fail groups (a policy "
+             "whose probe reads peers keeps its all-fail prompts; only its own PG rows leave), PRP's peer rows "
+             "stay; under XGRPO a uniform own group leaves too, with its pooled advantage. Metrics "
+             "dynamic_sampling/kept_groups, /generated_batches, /drawn_prompts (mrl_jax.trainer.dynamic_sampling)")
     overlong_prompts: Literal["reject", "truncate"] = field(
         "reject", help="prompts longer than a policy's max_prompt_length: 'reject' = never sample them (the "
                        "round draws others), 'truncate' = keep the longest tail of the prompt text that fits every "
                        "policy; counted per round as data/prompts_rejected, data/prompts_truncated")
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard", "jsonl"],
-        help="experiment trackers (TRL's name): any of tensorboard (tb/), jsonl (metrics.jsonl: always written, "
+        help="experiment trackers (TRL's name; TRL's (transformers') default 'none', here tensorboard and "
+             "jsonl): any of tensorboard (tb/), jsonl (metrics.jsonl: always written, "
              "resume and `mrl report` read it), wandb (pip install 'mrl-jax[wandb]'; WANDB_MODE=offline works "
              "without network; files under the run directory); ['none'] = no tracker. Trackers get TRL's metric "
              "names under <policy>/ (mrl_jax.trainer.trackers.TRL_NAMES)")

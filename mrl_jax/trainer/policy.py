@@ -20,10 +20,11 @@ from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
-from mrl_jax.probes import Probe, RunOptions, make_probe
+from mrl_jax.probes import Probe, RunOptions, chain, make_probe
 from mrl_jax.rollout import SamplingConfig
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
+from mrl_jax.trainer.dynamic_sampling import filter_groups
 
 
 @struct.dataclass
@@ -262,7 +263,10 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
                                total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
     grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
-    probe = make_probe(spec.probes, RunOptions.of(grpo_cfg, run.see.success_threshold))
+    options = RunOptions.of(grpo_cfg, run.see.success_threshold)
+    probe = make_probe(spec.probes, options)
+    if run.dynamic_sampling.enable:   # DAPO's filter: uniform groups leave the PG loss (trainer.dynamic_sampling)
+        probe = chain(filter_groups(options=options), probe)
     update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg)
     s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)

@@ -62,6 +62,7 @@ class RoundInputs:
     dense_ids: np.ndarray
     key: jax.Array
     counts: dict = dataclasses.field(default_factory=dict)
+    oversampler: Any = None   # dynamic sampling (``trainer.dynamic_sampling.Oversampler``); None = off
 
 
 _see_add = jax.jit(see_lib.add)
@@ -308,6 +309,21 @@ def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metr
     return m
 
 
+def _sample(policies: Sequence[Policy], states: Sequence[PolicyState], prompts: Sequence, keys: Sequence, scorer,
+            guard, timer: PhaseTimer, t0: float) -> tuple[list, list]:
+    """([Sampled], [stamps]): phases rollout, decode and rewards of ``prompts`` for every policy (``keys``: the
+    round's 2N keys)."""
+    with timer("rollout"):
+        launched, stamps = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
+    with timer("decode"):
+        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
+                   for pol, (_, _, out) in zip(policies, launched)]
+    with timer("rewards"):
+        scores = [scorer.score([p for p in prompts for _ in range(pol.num_generations)], texts, completion_ids=content)
+                  for pol, (texts, content) in zip(policies, decoded)]
+    return [Sampled(*ln, *dec, score) for ln, dec, score in zip(launched, decoded, scores)], stamps
+
+
 def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, scorer, *,
               num_samples_logged: int = 2, device_guard: str | None = None) -> tuple[RunState, dict, list]:
     """Run one round for every policy on ``inputs.prompts``; returns ``(state, {policy: metrics}, samples)``.
@@ -327,15 +343,14 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts, states, N = list(inputs.prompts), state.policies, len(policies)
     keys = list(jax.random.split(inputs.key, 2 * N))   # indexed here, outside any transfer guard
-    with timer("rollout"):
-        launched, stamps = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
-    with timer("decode"):
-        decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
-                   for pol, (_, _, out) in zip(policies, launched)]
-    with timer("rewards"):
-        scores = [scorer.score([p for p in prompts for _ in range(pol.num_generations)], texts, completion_ids=content)
-                  for pol, (texts, content) in zip(policies, decoded)]
-    sampled = [Sampled(*ln, *dec, score) for ln, dec, score in zip(launched, decoded, scores)]
+    sampled, stamps = _sample(policies, states, prompts, keys, scorer, guard, timer, t0)
+    if inputs.oversampler is not None:   # dynamic sampling: more prompt batches, the kept batch's samples
+        def more(extra: RoundInputs) -> list:
+            return _sample(policies, states, list(extra.prompts), list(jax.random.split(extra.key, 2 * N)), scorer,
+                           guard, timer, t0)[0]
+
+        sampled, inputs = inputs.oversampler.fill(policies, sampled, inputs, float(state.see.tau), more)
+        prompts = list(inputs.prompts)
     with timer("see"):   # ready before the phase ends: the views read it at once, and its time is the SEE's
         see, see_infos = _add_experience(state.see, policies, sampled, inputs)
         see = jax.block_until_ready(see)

@@ -21,6 +21,7 @@ from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.tasks import (ArithmeticTask, DatasetError, DatasetTask, JsonlTask, Prompt, StringTask, Task,
                            default_mixture)
 from mrl_jax.trainer.config import RunConfig
+from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
@@ -266,9 +267,10 @@ class Run:
         counts = {"data/prompts_rejected": float(rejected),
                   "data/prompts_truncated": float(sum(p.id in self.replacement for p in prompts))}
         prompts = [self.replacement.get(p.id, p) for p in prompts]
-        return RoundInputs(index=round_index, prompts=tuple(prompts),
-                           dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
-                           key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index), counts=counts)
+        inputs = RoundInputs(index=round_index, prompts=tuple(prompts),
+                             dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
+                             key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index), counts=counts)
+        return dataclasses.replace(inputs, oversampler=oversampler(self, round_index, inputs))
 
     def evaluate(self, state: RunState, num_prompts: int | None = None, *, samples: int | None = None,
                  temperature: float | None = None) -> dict:
