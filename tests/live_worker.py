@@ -29,7 +29,7 @@ def main() -> dict:
     res: dict = {"devices": len(jax.devices()), "lengths": ref.lengths.tolist(), "cases": {}}
     for d in (4, 3):   # P 3 -> 4 prompts (12 rows) on 4 devices; 3 prompts (9 rows) on 3
         mesh = Mesh(np.asarray(jax.devices()[:d]).reshape(d), ("data",))
-        params = mwra.shard_params(p, mesh, min_size=0)
+        params = mwra.put(p, mwra.param_shardings(p, mesh, min_size=0))
         pids, pmask = pad_prompts(ids, mask, d)
         with jax.transfer_guard("disallow"):
             out, stats = generate_live(gd, params, pids, pmask, key, cfg, num_samples=3, segment=4, mesh=mesh)
