@@ -198,10 +198,11 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int, shape: dict, prom
         t1 = time.perf_counter()
         texts = hf_tok.batch_decode([t[m].tolist() for t, m in zip(tokens, mask)], skip_special_tokens=True)
         rewards = np.asarray(reward_fraction(texts), np.float32)
+        logp = np.asarray(roll.logprobs)   # the own rows built on the host, as the trainer builds them
         batch = own_rows(
-            prompt_ids=jnp.asarray(p_ids), prompt_mask=jnp.asarray(p_mask), completion_ids=roll.tokens,
-            completion_mask=roll.mask.astype(jnp.float32), old_logp=roll.logprobs,
-            ref_logp=jnp.zeros_like(roll.logprobs), rewards=jnp.asarray(rewards), truncated=roll.truncated)
+            prompt_ids=np.asarray(p_ids), prompt_mask=np.asarray(p_mask), completion_ids=tokens,
+            completion_mask=mask.astype(np.float32), old_logp=logp, ref_logp=np.zeros_like(logp), rewards=rewards,
+            truncated=np.asarray(roll.truncated))
         t2 = time.perf_counter()
         params, opt_state, metrics = update(params, opt_state, batch, view, k_upd)
         jax.block_until_ready((params, metrics["loss"]))
