@@ -93,12 +93,13 @@ def test_peer_behaviour_logprobs_in_see_are_the_filtered_ones(filtering):
     B = 2
     out = types.SimpleNamespace(logprobs=np.full((B, 3), -1.0, np.float32),
                                 sampling_logprobs=np.full((B, 3), -0.25, np.float32), truncated=np.zeros(B, bool))
-    lane = types.SimpleNamespace(pol=types.SimpleNamespace(sampling=sampling, num_generations=2, index=0), out=out,
-                                 texts=["ab", "c"], content=[[5, 6], [7]],
-                                 score=types.SimpleNamespace(rewards=np.array([1.0, 0.0], np.float32)))
+    pol = types.SimpleNamespace(sampling=sampling, num_generations=2, index=0)
+    sampled = round_mod.Sampled(prompt_ids=None, prompt_mask=None, rollout=out, texts=["ab", "c"],
+                                content=[[5, 6], [7]],
+                                score=types.SimpleNamespace(rewards=np.array([1.0, 0.0], np.float32)))
     see = see_lib.init(capacity=8, max_bytes=8, max_src_tokens=3, num_policies=1, num_prompts=4)
     inputs = types.SimpleNamespace(dense_ids=np.array([1], np.int32), index=0)
-    see = round_mod._add_experience(see, [lane], inputs)
+    see, _ = round_mod._add_experience(see, [pol], [sampled], inputs)
     got = np.asarray(see.rollouts.src_logp)[:2]
     want = -0.25 if filtering else -1.0
     np.testing.assert_array_equal(got, [[want, want, 0.0], [want, 0.0, 0.0]])
