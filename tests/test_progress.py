@@ -4,6 +4,7 @@ success instead of ``reward nan``)."""
 
 import io
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,8 @@ def test_a_step_that_compiles_is_labelled_after_the_fact():
     bar = Progress(2, title="t", stream=buf, min_interval=0.0)
     bar.start("a")
     before = compile_seconds()
-    jax.jit(lambda x: jnp.sin(x) * 3.0 + x.sum())(jnp.arange(7.0)).block_until_ready()
+    c = float(time.time_ns() % 1_000_003)   # a constant of this run: no persistent-cache hit from an earlier run
+    jax.jit(lambda x: jnp.sin(x) * c + x.sum())(jnp.arange(7.0)).block_until_ready()
     assert compile_seconds() > before
     bar.done()
     bar.start("b")
