@@ -53,7 +53,12 @@ def test_plain_lines_are_periodic():
     assert len(lines) == 2 and "1/50" in lines[0] and "50/50" in lines[1]  # first and last only
 
 
-def test_a_step_that_compiles_is_labelled_after_the_fact():
+def test_a_step_that_compiles_is_labelled_after_the_fact(request):
+    # a persistent compilation cache (turned on by earlier tests in this process) adds the program's write to
+    # the step, which can outlast a tiny compile: off here, so the step is the compile
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    request.addfinalizer(lambda: jax.config.update("jax_enable_compilation_cache", was))
     compile_seconds()  # start listening
     buf = io.StringIO()
     bar = Progress(2, title="t", stream=buf, min_interval=0.0)
