@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import mrl_jax.progress as progress_mod
+
 from mrl_jax.progress import Progress, compile_seconds, round_figures
 from mrl_jax.trainer.metrics import RunLog
 
@@ -66,8 +68,9 @@ def test_a_step_that_compiles_is_labelled_after_the_fact(request):
     before = compile_seconds()
     c = float(time.time_ns() % 1_000_003)   # a constant of this run: no persistent-cache hit from an earlier run
     jax.jit(lambda x: jnp.sin(x) * c + x.sum())(jnp.arange(7.0)).block_until_ready()
-    assert compile_seconds() > before
-    bar.done()
+    assert compile_seconds() > before                # the listener saw a real compile
+    progress_mod._compile_s[0] += 60.0                # and the step is labelled by what it reports (a 0.1 s
+    bar.done()                                        # compile against a loaded step's wall time is a coin flip)
     bar.start("b")
     bar.done()
     a, b = buf.getvalue().splitlines()
