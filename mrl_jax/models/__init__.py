@@ -8,6 +8,7 @@ I/O and a KV cache.
     graphdef, params = nnx.split(model); nnx.merge(graphdef, params)(ids)
 """
 from .attention import KVCache, SampleCache, attention, default_positions, make_mask
+from .attention import resolve_impl as resolve_attention
 from .checkpoint import check_tokenizer_fits, from_pretrained, hf_state_dict, read_config, save_pretrained
 from .config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
 from .decoder import DecoderForCausalLM
@@ -17,7 +18,7 @@ from .layers import CausalLM
 from .llama import LlamaForCausalLM
 
 __all__ = [
-    "KVCache", "SampleCache", "attention", "default_positions", "make_mask",
+    "KVCache", "SampleCache", "attention", "default_positions", "make_mask", "resolve_attention",
     "check_tokenizer_fits", "from_pretrained", "hf_state_dict", "read_config", "save_pretrained",
     "SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig",
     "abstract_model", "build_model", "tiny_config", "tiny_model",

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import flash
+from . import flash, splash
 from .flash import blockwise_attention
 
 _NEG = -1e30  # finite: fully-masked rows (left-pad queries) give a uniform softmax, never NaN
@@ -225,7 +225,15 @@ def make_mask(kv_mask: jax.Array, cache_index, num_queries: int, window: Optiona
     return kv_mask.astype(bool)[:, None, :] & allowed[None]
 
 
-IMPLS = ("auto", "dense", "blockwise")
+IMPLS = ("auto", "dense", "blockwise", "splash")
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+    """The ``impl`` a model runs on ``platform`` ("cpu" | "gpu" | "tpu" ...): "auto" is "splash" on TPU (the
+    Pallas kernel, :mod:`mrl_jax.models.splash`), ours elsewhere; any other choice is kept."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention must be one of {'|'.join(IMPLS)}, got {impl!r}")
+    return "splash" if impl == "auto" and platform == "tpu" else impl
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
@@ -241,8 +249,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
     prompt-shared layout): see :func:`_attend_prefix`.
     softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2 style).
     impl: "dense" (one float32 score array per layer), "blockwise" (:mod:`mrl_jax.models.flash`: online softmax
-    over key blocks, recomputing backward, memory linear in length; CausalMask / PrefixMask only) or "auto"
-    (blockwise for a structural mask with several queries over more than ``flash.BLOCK`` keys, else dense).
+    over key blocks, recomputing backward, memory linear in length; CausalMask / PrefixMask only), "auto"
+    (blockwise for a structural mask with several queries over more than ``flash.BLOCK`` keys, else dense) or
+    "splash" (:mod:`mrl_jax.models.splash`, JAX's Pallas TPU kernel, for a PrefixMask and for a CausalMask of
+    several queries at offset 0 -- no cache, or a prefill filling its cache -- and "auto" for the rest).
     Scores, mask and softmax in float32; returns ([B, T, H, D] in q.dtype, updated cache or None).
     """
     if impl not in IMPLS:
@@ -257,6 +267,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
         cv = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
         cache = KVCache(k=ck, v=cv)
         k, v = ck[layer], cv[layer]
+    if impl == "splash":
+        if isinstance(mask, PrefixMask):
+            return splash.prefix_attention(q, k, v, mask.prompt_mask, mask.completion_mask, scale=scale,
+                                           window=mask.window, softcap=softcap), cache
+        if isinstance(mask, CausalMask) and 1 < q.shape[1] == k.shape[1]:   # hence offset 0 (offset + T <= S)
+            return splash.causal_attention(q, k, v, mask.kv_mask, scale=scale, window=mask.window,
+                                           softcap=softcap), cache
+        impl = "auto"
     if isinstance(mask, PrefixMask):
         Tc, S = mask.completion_mask.shape[1], mask.prompt_mask.shape[1] + mask.completion_mask.shape[1]
         if _blockwise(impl, Tc, S):

@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
+from .attention import IMPLS as ATTENTION_IMPLS
 from .rope import SUPPORTED_ROPE_TYPES, rope_inv_freq
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS", "LAYER_TYPES", "CheckpointError",
@@ -86,7 +87,8 @@ class ModelConfig:
     param_dtype: storage dtype of the parameters; dtype: compute dtype (activations, matmuls, KV cache).
       Softmax, norms' statistics and logits are always float32.
     remat: per-decoder-layer rematerialisation of the differentiated forward (``layers.REMAT_POLICIES``);
-    attention: "auto" | "dense" | "blockwise" (``attention.attention``'s ``impl``). Neither is in config.json.
+    attention: "auto" | "dense" | "blockwise" | "splash" (``attention.attention``'s ``impl``). Neither is in
+      config.json.
     """
 
     family: str
@@ -137,8 +139,8 @@ class ModelConfig:
         set_("eos_token_id", _tuple_or_int(self.eos_token_id))
         if self.remat not in REMAT_NAMES:
             raise ValueError(f"remat must be one of {REMAT_NAMES}, got {self.remat!r}")
-        if self.attention not in ("auto", "dense", "blockwise"):
-            raise ValueError(f"attention must be auto|dense|blockwise, got {self.attention!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {'|'.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"family must be 'llama' or 'gpt2', got {self.family!r}")
         if self.num_heads % self.num_kv_heads:

@@ -56,6 +56,7 @@ class DecoderAttention(nnx.Module):
         self.fused, self.qk_norm = cfg.fused_projections, cfg.qk_norm
         self.rope = rope_table(cfg, layer)   # static, hashable
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.impl = cfg.attention
 
     def _qkv(self, x):
         h, k, hd = self.shape
@@ -73,7 +74,8 @@ class DecoderAttention(nnx.Module):
             q, kk = self.q_norm(q), self.k_norm(kk)
         cos, sin = self.rope.cos_sin(positions)
         q, kk = self.rope.apply(q, cos, sin), self.rope.apply(kk, cos, sin)
-        out, cache = attention(q, kk, v, mask, scale=self.scale, cache=cache, layer=layer, cache_index=cache_index)
+        out, cache = attention(q, kk, v, mask, scale=self.scale, cache=cache, layer=layer, cache_index=cache_index,
+                               impl=self.impl)
         return self.o_proj(out.reshape(B * T, h * hd)), cache
 
 

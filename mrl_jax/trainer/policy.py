@@ -155,13 +155,23 @@ def warn_about_stops(spec: PolicySpec, tokenizer: Tokenizer, fmt: PromptFormat, 
                             f"stop_tokens: [{eot!r}]")
 
 
-def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
-    """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model."""
+def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int, *, abstract: bool = False, platform: str = "cpu"):
+    """Load ``model.path`` (checking the tokenizer fits its embedding) or build a tiny random model.
+
+    abstract: params as ``jax.ShapeDtypeStruct`` (a checkpoint's ``config.json`` is read, no weights); platform:
+    where the model runs, for ``model.attention: auto`` (`models.attention.resolve_impl`)."""
     m = spec.model
     _check_model_dir(spec)
+    attention = models.resolve_attention(m.attention, platform)
     if m.path is not None:
         try:
-            model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype, remat=m.remat)
+            if abstract:
+                cfg = models.ModelConfig.from_hf(models.read_config(m.path), dtype=m.dtype, param_dtype=m.dtype,
+                                                 source=str(Path(m.path) / "config.json"))
+                model = models.abstract_model(cfg.replace(remat=m.remat, attention=attention))
+            else:
+                model = models.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
+                                               attention=attention)
         except (OSError, ValueError) as e:  # models.CheckpointError is a ValueError naming the file
             raise ConfigError(f"config key 'policies.{spec.name}.model.path': {e}") from e
         try:
@@ -170,9 +180,11 @@ def build_model(spec: PolicySpec, tokenizer: Tokenizer, seed: int):
             raise ConfigError(f"config key 'policies.{spec.name}.tokenizer.path': {e}") from e
         return model
     overrides = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                     dtype=m.dtype, param_dtype=m.dtype, remat=m.remat)
+                     dtype=m.dtype, param_dtype=m.dtype, remat=m.remat, attention=attention)
     if m.family != "gpt2":
         overrides["num_kv_heads"] = m.num_kv_heads
+    if abstract:
+        return models.abstract_model(models.tiny_config(m.family, tokenizer.vocab_size, **overrides))
     return models.tiny_model(m.family, tokenizer.vocab_size, seed=seed, **overrides)
 
 
