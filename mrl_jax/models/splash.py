@@ -20,13 +20,44 @@ model code runs its equality tests on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 BLOCK_ALIGN = 128            # the kernel's lane width: block sizes are multiples of it
 _BLOCKS = (512, 256, 128)    # preferred block sizes, largest dividing the padded length
+
+
+_MESH: contextvars.ContextVar = contextvars.ContextVar("splash_mesh", default=None)
+
+
+@contextlib.contextmanager
+def on_mesh(mesh):
+    """Trace the kernel calls inside for ``mesh`` (a `jax.sharding.Mesh`): a Mosaic kernel is not partitioned by
+    XLA, so on a mesh of several devices each call runs under ``shard_map``, rows split over every mesh axis
+    where they divide its size, else replicated (each device computes all rows). Wrap a jitted step's body."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def _per_device(fn, *args):
+    """``fn(*args)`` (every arg and the output with rows leading) under ``shard_map`` on the `on_mesh` mesh."""
+    mesh = _MESH.get()
+    if mesh is None or mesh.devices.size == 1:
+        return fn(*args)
+    rows = args[0].shape[0]
+    lead = tuple(mesh.axis_names) if rows % mesh.devices.size == 0 else None
+    spec = lambda x: PartitionSpec(lead, *([None] * (x.ndim - 1)))   # noqa: E731
+    out = jax.eval_shape(fn, *args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in args), out_specs=spec(out),
+                         check_vma=False)(*args)
 
 
 def _round_up(n: int) -> int:
@@ -67,12 +98,13 @@ def _splash(q, k, v, q_valid, kv_valid, *, offset: int, scale: float, window: Op
     q_seg = jnp.pad(jnp.asarray(q_valid, jnp.int32), ((0, 0), (0, Tq - T)))
     kv_seg = jnp.pad(jnp.asarray(kv_valid, jnp.int32), ((0, 0), (0, Sk - S)))
 
-    def run(interpret: bool):
+    def run(interpret: bool, *arrays):
         kernel, segment_ids = _kernel(Tq, Sk, H, offset, window, softcap, interpret)
-        return jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=segment_ids(q=qs, kv=ks)))(
-            qh, kh, vh, q_seg, kv_seg)
+        return jax.vmap(lambda a, b, c, qs, ks: kernel(a, b, c, segment_ids=segment_ids(q=qs, kv=ks)))(*arrays)
 
-    out = jax.lax.platform_dependent(tpu=lambda: run(False), default=lambda: run(True))
+    out = _per_device(lambda *a: jax.lax.platform_dependent(*a, tpu=lambda *b: run(False, *b),
+                                                            default=lambda *b: run(True, *b)),
+                      qh, kh, vh, q_seg, kv_seg)
     out = out.swapaxes(1, 2)[:, :T]
     return jnp.where(jnp.asarray(q_valid, bool)[:, :, None, None], out, 0).astype(dt)
 
@@ -104,4 +136,4 @@ def prefix_attention(q, k, v, prompt_mask, completion_mask, *, scale: float, win
     return jnp.concatenate([out_p.reshape(n, H, D), out_c.reshape(B * Tc, H, D)], 0)[None]
 
 
-__all__ = ["BLOCK_ALIGN", "causal_attention", "prefix_attention"]
+__all__ = ["BLOCK_ALIGN", "causal_attention", "on_mesh", "prefix_attention"]

@@ -130,13 +130,17 @@ def _tpu_chip_present() -> bool:
 
 def quiet_default_backend() -> None:
     """Keep JAX from initialising the TPU backend where libtpu is installed but neither a TPU chip nor a GPU
-    plugin is present (``JAX_PLATFORMS=cpu``); a set ``JAX_PLATFORMS`` is left alone. Call before JAX starts."""
+    plugin is present (``JAX_PLATFORMS=cpu``); a set ``JAX_PLATFORMS`` is left alone. Call before JAX's first
+    backend use. Compiling for a topology (`Topology.devices`) works either way."""
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None or _tpu_chip_present():
         return
     from importlib.metadata import entry_points
 
     if not any(ep for ep in entry_points(group="jax_plugins")):
         os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax   # already imported with this package: its flag read the environment before
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 __all__ = ["LIBTPU_INSTALL", "Topology", "TopologyError", "known_names", "quiet_default_backend", "resolve"]

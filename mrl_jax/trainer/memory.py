@@ -15,6 +15,7 @@ from further compiles: the largest ``optimizer.micro_batch_size`` that fits (bis
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -56,11 +57,15 @@ def placed(tree, mesh):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Per-policy compiled figures, the per-device limit they were checked against (None: not checked)."""
+    """Per-policy compiled figures, the per-device limit they were checked against (None: not checked), one
+    line per policy that does not fit (its figure and the computed fixes) and each compile's seconds
+    (``compile_seconds[i]``: {program: s} of policy i)."""
 
     figures: tuple
     limit: Optional[int]
     source: str
+    misfits: tuple = ()
+    compile_seconds: tuple = ()
 
     def __str__(self) -> str:
         lim = "not checked" if self.limit is None else f"limit {gb(self.limit)} per device ({self.source})"
@@ -69,7 +74,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {"limit_bytes": self.limit, "source": self.source,
-                "policies": {f.name: f.to_dict() for f in self.figures}}
+                "policies": {f.name: f.to_dict() for f in self.figures}, "misfits": list(self.misfits)}
 
 
 def prompt_width(run, pol) -> int:
@@ -122,23 +127,35 @@ def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]
         limit, source = device_memory_bytes(devs), "reported by the device"
     if not limit:
         return None
+    plan = compile_plan(run, limit, source)
+    if plan is not None and plan.misfits:
+        raise ConfigError("\n".join(plan.misfits))
+    return plan
+
+
+def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
+    """Every policy's update and sampler compiled on its mesh (abstract inputs) and checked against ``limit``
+    bytes per device; the fixes computed for each policy that does not fit. None where the backend reports no
+    memory analysis."""
     template = run.state_template().policies
-    figures, ctx = [], []
+    figures, ctx, seconds = [], [], []
     for i, pol in enumerate(run.policies):
-        mesh, Tp = placement.meshes[i], prompt_width(run, pol)
+        mesh, Tp = run.placement.meshes[i], prompt_width(run, pol)
         inputs = _update_inputs(run, pol, mesh, Tp)
+        t0 = time.perf_counter()
         sampler = _sampler(run, pol, mesh, template[i].params, Tp)
+        t1 = time.perf_counter()
         f = _figure(pol, template[i], pol.update, inputs, sampler)
         if f is None:
             return None
+        seconds.append({"sampler": t1 - t0, "update": time.perf_counter() - t1})
         figures.append(f)
         ctx.append((mesh, inputs, sampler))
-    groups = [p.device_ids for p in placement.plan.policies]
+    groups = [p.device_ids for p in run.placement.plan.policies]
     bad = over_limit(groups, figures, limit)
-    if bad:
-        lines = [fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad]
-        raise ConfigError("\n".join(lines))
-    return MemoryPlan(figures=tuple(figures), limit=limit, source=source)
+    lines = tuple(fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
+    return MemoryPlan(figures=tuple(figures), limit=limit, source=source, misfits=lines,
+                      compile_seconds=tuple(seconds))
 
 
 def micro_batch_candidates(rows: int, G: int) -> list[int]:
@@ -233,5 +250,5 @@ def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) ->
     return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
 
 
-__all__ = ["LORA_RANK", "MemoryPlan", "abstract_batch", "fix_line", "micro_batch_candidates", "placed",
+__all__ = ["LORA_RANK", "MemoryPlan", "abstract_batch", "compile_plan", "fix_line", "micro_batch_candidates", "placed",
            "plan_memory", "prompt_width"]

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
+from mrl_jax.models import splash
 from mrl_jax.rollout import generate
 from mrl_jax.rollout_live import generate_live
 
@@ -263,8 +264,10 @@ def _mesh_rollout(mesh: Mesh, graphdef, sampling, num_samples: int) -> Callable:
     fn = _MESH_GENERATE.get(cache_key)
     if fn is None:
         G = int(num_samples)
-        fn = lockstep(mesh, jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, sampling, num_samples=G),
-                                    out_shardings=mwra.batch_sharding(mesh)))
+        def sample(p, i, m, k):
+            with splash.on_mesh(mesh):
+                return generate(graphdef, p, i, m, k, sampling, num_samples=G)
+        fn = lockstep(mesh, jax.jit(sample, out_shardings=mwra.batch_sharding(mesh)))
         _MESH_GENERATE[cache_key] = fn
     return fn
 
@@ -290,7 +293,7 @@ def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     ``PolicyState`` of shardings from `Placement.shardings`."""
     rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
     update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
-    ref_logp = None if policy.ref_logp is None else lockstep(mesh, policy.ref_logp)
+    ref_logp = None if policy.ref_logp is None else lockstep(mesh, on_mesh(mesh, policy.ref_logp))
     return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update, ref_logp=ref_logp)
 
 
@@ -298,8 +301,16 @@ def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:
     """``inner(params, opt_state, rows, view, key)`` jitted with params / opt state kept as placed
     (``state_shardings``) and donated, metrics replicated on ``mesh``."""
     repl = NamedSharding(mesh, mwra.REPLICATED)
-    return jax.jit(lambda p, o, b, v, k: inner(p, o, b, v, k),
-                   out_shardings=(state_shardings.params, state_shardings.opt_state, repl), donate_argnums=(0, 1))
+    return jax.jit(on_mesh(mesh, inner), out_shardings=(state_shardings.params, state_shardings.opt_state, repl),
+                   donate_argnums=(0, 1))
+
+
+def on_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """``fn`` whose tracing places the model's kernel calls on ``mesh`` (`mrl_jax.models.splash.on_mesh`)."""
+    def call(*args):
+        with splash.on_mesh(mesh):
+            return fn(*args)
+    return call
 
 
 __all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "lockstep", "make_placement", "mesh_generate",

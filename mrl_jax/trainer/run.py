@@ -89,11 +89,15 @@ class Run:
     """A run's static parts: task, prompts, policies (records with tokenizer, mesh, jitted steps), plan."""
 
     def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None,
-                 place: bool = True, devices: Sequence | None = None):
+                 place: bool = True, devices: Sequence | None = None, abstract: bool = False):
         """Builds tokenizers and models (their built weights are what ``initial_state`` starts from); no warm
         start, no optimizer state. ``place``: plan the devices (MWRA, ``cfg.mwra``; ``devices`` defaults to
-        ``jax.devices()``) and pin each policy's steps to its mesh; False = everything on the default device."""
+        ``jax.devices()``) and pin each policy's steps to its mesh; False = everything on the default device.
+        ``abstract``: models as shapes only (checkpoints' ``config.json`` read, no weights), for compiling the
+        steps (``devices`` may then be a TPU topology's, `mrl_jax.trainer.tpu_plan`); no state can be made."""
         self.cfg = cfg
+        self.abstract = abstract
+        platform = (list(devices) if devices is not None else jax.devices())[0].platform
         self.task = task or build_task(cfg)
         self.train_prompts = self.task.train_prompts()
         self.eval_prompts = self.task.eval_prompts()
@@ -104,7 +108,8 @@ class Run:
         self.warm_start_losses: dict[str, list[float]] = {}
         for i, spec in enumerate(cfg.policies):
             tok = build_tokenizer(spec, corpus, cache_dir)
-            pol, params = build_policy(i, spec, tok, build_model(spec, tok, seed=cfg.seed * 1000 + i), cfg)
+            model = build_model(spec, tok, seed=cfg.seed * 1000 + i, abstract=abstract, platform=platform)
+            pol, params = build_policy(i, spec, tok, model, cfg)
             self.policies.append(pol)
             self._weights.append(params)
         self._fit_prompts()
@@ -128,6 +133,8 @@ class Run:
         """Each policy's starting params: its built weights after the config's warm start (``warm_start``:
         steps, part, learning_rate, batch_size; none when steps is 0; each step's loss in
         ``warm_start_losses[name]``). Call once: the warm start donates the built weights."""
+        if self.abstract:
+            raise RuntimeError("an abstract Run (shapes only) has no weights to start from")
         out = []
         for pol, params in zip(self.policies, self._weights):
             ws = pol.spec.warm_start

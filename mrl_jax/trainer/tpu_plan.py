@@ -1,0 +1,109 @@
+"""``mrl plan``: a run compiled for a TPU topology from this machine, before any TPU is had.
+
+The run is built abstractly (`Run(abstract=True)`: tiny models from their shapes, checkpoints from their
+``config.json``, no weights), MWRA plans it onto the topology's devices (`mrl_jax.mwra.tpu`), and every
+policy's update and sampler are lowered on abstract inputs of the round's shapes and compiled by XLA:TPU
+(libtpu), whose ``memory_analysis()`` gives the exact bytes per chip. Against the chip's HBM each policy gets a
+verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`).
+
+On a TPU topology ``model.attention: auto`` is the Pallas splash kernel (`mrl_jax.models.splash`) for the
+update's attention (the prompt-once-per-group layout and causal rows) and the sampler's prefill; a decode step
+keeps ours (its offset is known only at run time and its cache is the prompt-shared `SampleCache`, which the
+paged kernels do not read). The report names each policy's attention.
+
+    report = plan_for_topology(cfg, "v5e-8")
+    print(report)          # per policy and chip: params, optimizer, reference, update / sampler peak, HBM, verdict
+    report.fits            # False: ``report.memory.misfits`` holds the fixes, one line per policy
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mrl_jax.configs import ConfigError
+from mrl_jax.models import resolve_attention
+from mrl_jax.mwra import tpu
+from mrl_jax.mwra.memory_plan import device_use, gb
+from mrl_jax.trainer.config import RunConfig
+from mrl_jax.trainer.memory import MemoryPlan, compile_plan
+from mrl_jax.trainer.run import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyPlan:
+    """The plan of a run on a TPU topology: the topology, the MWRA plan, the compiled memory, and per policy its
+    attention path."""
+
+    topology: tpu.Topology
+    hbm_per_device: int
+    plan: object              # mwra.Plan
+    memory: MemoryPlan
+    attention: tuple          # per policy: "splash" | "dense" | "blockwise" | "auto"
+
+    @property
+    def fits(self) -> bool:
+        return not self.memory.misfits
+
+    def _per_device(self) -> dict[int, int]:
+        return device_use([p.device_ids for p in self.plan.policies], self.memory.figures)
+
+    def __str__(self) -> str:
+        t = self.topology
+        lines = [f"TPU plan on {t.name} ({t.topology}: {t.chips} chips, {len(t.devices())} devices, "
+                 f"{gb(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
+                 str(self.plan), "per policy, per device of its mesh:"]
+        for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
+                                   self.memory.compile_seconds):
+            verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
+            smp = "-" if f.sampler is None else gb(f.sampler.peak)
+            lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {gb(f.params)} + optimizer "
+                         f"{gb(f.optimizer)} + reference {gb(f.reference)}; update peak {gb(f.update.peak)}; sampler "
+                         f"peak {smp}; total {gb(f.total)} of {gb(self.hbm_per_device)}: {verdict}")
+            lines.append(f"    attention: {_attention_line(att)}; compiled: "
+                         + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
+        use = self._per_device()
+        worst = max(use, key=use.get)
+        lines.append(f"most loaded device: {worst} with {gb(use[worst])} of {gb(self.hbm_per_device)}")
+        lines.append("verdict: fits" if self.fits else "verdict: does not fit\n" + "\n".join(self.memory.misfits))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"topology": self.topology.to_dict(), "hbm_per_device_bytes": self.hbm_per_device,
+                "fits": self.fits, "plan": self.plan.to_dict(), "memory": self.memory.to_dict(),
+                "attention": {f.name: a for f, a in zip(self.memory.figures, self.attention)},
+                "compile_seconds": {f.name: s for f, s in zip(self.memory.figures, self.memory.compile_seconds)},
+                "device_bytes": {str(k): v for k, v in self._per_device().items()}}
+
+
+def _attention_line(impl: str) -> str:
+    if impl == "splash":
+        return "splash (Pallas TPU kernel) in the update and the prefill; decode steps ours"
+    return f"ours ({impl}; model.attention is set) in the update, the prefill and decode"
+
+
+def resolve_topology(name: str, key: str = "--topology") -> tpu.Topology:
+    """`tpu.resolve` with its error as a ``ConfigError`` naming ``key``."""
+    try:
+        return tpu.resolve(name)
+    except tpu.TopologyError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology") -> TopologyPlan:
+    """``cfg`` planned and compiled for TPU topology ``name`` (see module doc). ``ConfigError`` naming ``key`` for
+    an unknown topology or a missing libtpu."""
+    topology = resolve_topology(name, key)
+    try:
+        devices = topology.devices()
+    except tpu.TopologyError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    run = Run(cfg, devices=devices, abstract=True)
+    limit = topology.hbm_per_device
+    memory = compile_plan(run, limit, f"{topology.name} HBM")
+    if memory is None:   # XLA:TPU always reports; kept explicit
+        raise ConfigError(f"{key}: the TPU compiler reported no memory analysis for {topology.name}")
+    attention = tuple(resolve_attention(p.spec.model.attention, "tpu") for p in run.policies)
+    return TopologyPlan(topology=topology, hbm_per_device=limit, plan=run.placement.plan, memory=memory,
+                        attention=attention)
+
+
+__all__ = ["TopologyPlan", "plan_for_topology", "resolve_topology"]
