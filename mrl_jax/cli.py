@@ -53,6 +53,21 @@ def _parser() -> argparse.ArgumentParser:
                        "(or env MRL_COORDINATOR); omit for a single process")
     train.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     train.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+    train.add_argument("--topology", default=None, metavar="NAME",
+                       help="first compile the run for this TPU slice, as `mrl plan` does, and stop if it does not "
+                       "fit (sets mwra.topology)")
+
+    plan = sub.add_parser("plan", help="every policy compiled for a TPU topology from this machine: memory per chip",
+                          description="Build the run of --config abstractly (no weights), plan its devices on the TPU "
+                          "slice --topology, compile every policy's update and sampler with XLA:TPU (libtpu; no TPU "
+                          "needed, nothing allocated) and report per policy and chip: params, optimizer state, "
+                          "reference, update and sampler peaks against the chip's HBM, a verdict, the computed fixes "
+                          "of a misfit, the attention path and each compile's time. Exit 0: fits; 1: does not fit.")
+    plan.add_argument("--config", required=True, type=Path, help="YAML run config (see `mrl config-help`)")
+    plan.add_argument("--topology", required=True, metavar="NAME",
+                      help="a TPU slice: v5e-8, v5p-16, v6e-8, v4-8, ... or a topology string such as v5e:2x4")
+    plan.add_argument("--out", type=Path, default=None,
+                      help="also write summary.json (the plan as data) and plan.txt (the report) here")
 
     ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint, or of an "
                         "exported model directory (--model)")
@@ -127,7 +142,20 @@ def _train(args) -> dict:
     from mrl_jax.trainer import train_from_yaml
 
     return train_from_yaml(args.config, args.out, resume=args.resume, coordinator=args.coordinator,
-                           num_processes=args.num_processes, process_id=args.process_id)
+                           num_processes=args.num_processes, process_id=args.process_id, topology=args.topology)
+
+
+def _plan(args) -> int:
+    from mrl_jax.trainer.config import load_run_config
+    from mrl_jax.trainer.tpu_plan import plan_for_topology
+
+    report = plan_for_topology(load_run_config(args.config), args.topology)
+    print(report)
+    if args.out is not None:
+        _write_summary(args.out, report.to_dict())
+        (args.out / "plan.txt").write_text(str(report) + "\n")
+        print(f"wrote {args.out / 'summary.json'}")
+    return 0 if report.fits else 1
 
 
 def _eval(args) -> dict:
@@ -180,8 +208,8 @@ def _config_help(args) -> int:
 
 
 # each verb returns its summary (written to --out/summary.json) or an exit code (nothing written)
-VERBS = {"demo": _demo, "train": _train, "eval": _eval, "export": _export, "bandit": _bandit, "bench": _bench,
-         "report": _report, "config-help": _config_help}
+VERBS = {"demo": _demo, "train": _train, "plan": _plan, "eval": _eval, "export": _export, "bandit": _bandit,
+         "bench": _bench, "report": _report, "config-help": _config_help}
 
 
 def _failure(verb: str, e: Exception) -> int:
@@ -201,10 +229,14 @@ def _failure(verb: str, e: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mrl_jax.mwra.tpu import quiet_default_backend
+
+    quiet_default_backend()   # libtpu installed, no TPU here: no TPU init errors, no second lost at start
     if args.verb != "config-help":  # before any compile: later runs load compiled programs from disk
         from mrl_jax.compile_cache import enable as enable_compile_cache
 
-        enable_compile_cache(disabled=args.no_compile_cache)
+        # `mrl plan` reports each compile's time: a program loaded from the cache would say nothing
+        enable_compile_cache(disabled=args.no_compile_cache or args.verb == "plan")
     from mrl_jax.configs import ConfigError
     from mrl_jax.export import ExportError
     from mrl_jax.models import CheckpointError as ModelFileError

@@ -89,7 +89,7 @@ def _splash(q, k, v, q_valid, kv_valid, *, offset: int, scale: float, window: Op
     """q [B, T, H, D] at slots offset + t; k, v [B, S, K, D] at slots s (offset + T <= S); q_valid bool[B, T],
     kv_valid bool[B, S]. Returns [B, T, H, D] in q.dtype, zero at the invalid queries."""
     B, T, H, D = q.shape
-    S, K = k.shape[1], k.shape[2]
+    S = k.shape[1]
     Tq = _round_up(T)
     Sk = _round_up(max(S, offset + Tq))   # a padding query at slot offset + t finds its own (padding) key
     dt = q.dtype

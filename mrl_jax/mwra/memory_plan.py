@@ -22,12 +22,14 @@ _GB = 1e9
 
 
 class StepMemory(NamedTuple):
-    """``compiled.memory_analysis()`` of one step, bytes per device."""
+    """``compiled.memory_analysis()`` of one step, bytes per device; ``kernels``: the Pallas (Mosaic) TPU kernel
+    calls in the compiled program (0 on other backends)."""
 
     args: int
     out: int
     temp: int
     alias: int
+    kernels: int = 0
 
     @property
     def peak(self) -> int:
@@ -38,11 +40,18 @@ class StepMemory(NamedTuple):
 def step_memory(fn: Callable, *args) -> Optional[StepMemory]:
     """The compiled memory of jitted ``fn`` on ``args`` (arrays or ``ShapeDtypeStruct``s); None when the
     backend reports no analysis."""
-    mem = fn.lower(*args).compile().memory_analysis()
+    compiled = fn.lower(*args).compile()
+    mem = compiled.memory_analysis()
     if mem is None:
         return None
+    kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"') if _on_tpu(args) else 0
     return StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
-                      temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes))
+                      temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels)
+
+
+def _on_tpu(args) -> bool:
+    leaf = next((x for x in jax.tree.leaves(args) if getattr(x, "sharding", None) is not None), None)
+    return leaf is not None and next(iter(leaf.sharding.device_set)).platform == "tpu"
 
 
 def tree_bytes(tree) -> int:

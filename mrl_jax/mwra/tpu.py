@@ -68,7 +68,7 @@ class Topology:
         for var, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                            ("TPU_ACCELERATOR_TYPE", self.accelerator_type), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
             os.environ.setdefault(var, value)
-        return list(_topology_devices(self.topology))
+        return list(_topology_devices(self.topology, self.chips == 1))
 
     @property
     def hbm_per_device(self) -> int:
@@ -81,10 +81,11 @@ class Topology:
 
 
 @functools.lru_cache(maxsize=None)
-def _topology_devices(topology: str) -> tuple:
+def _topology_devices(topology: str, single_chip: bool) -> tuple:
     from jax.experimental import topologies
 
-    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    hosts = {"chips_per_host_bounds": (1, 1, 1)} if single_chip else {}   # the default host is 2x2 chips
+    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu", **hosts).devices)
 
 
 def known_names() -> list[str]:

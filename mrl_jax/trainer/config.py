@@ -338,8 +338,19 @@ class MwraSpec:
     memory_gb: float = field(0.0, help="per-device memory (GiB) each policy's compiled update and sampler must fit "
                                        "(checked at start, with the fixes); 0 = what the device reports "
                                        "(accelerators), no compile and no check where it reports nothing (CPU)")
+    topology: Optional[str] = field(
+        None, help="a TPU slice to check the run against before any work (v5e-8, v5p-16, v6e-8, v4-8, or a "
+                   "topology string such as v5e:2x4): every policy's update and sampler compiled for it by XLA:TPU "
+                   "on this machine (libtpu; no TPU needed), as `mrl plan` does; the run stops when one does not fit")
 
     def __post_init__(self):
+        if self.topology is not None:
+            from mrl_jax.mwra import tpu
+
+            try:
+                tpu.resolve(self.topology)
+            except tpu.TopologyError as e:
+                check(False, "topology", str(e))
         if not isinstance(self.devices, str):
             check(self.devices >= 1, "devices", f"must be 'all' or a count >= 1, got {self.devices}")
         check(self.min_size >= 0, "min_size", f"must be >= 0, got {self.min_size}")

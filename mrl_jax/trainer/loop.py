@@ -10,6 +10,7 @@ leaves either the checkpoint and every record of its round, or records that a re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -242,6 +243,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     try:
         latest = _resume_round(ckpt, out, cfg, resume)
+        if cfg.mwra.topology:
+            _check_topology(cfg, out, progress)
         run = Run(cfg, task=task)
         run.memory = plan_memory(run)   # compiled before any RL work; ConfigError when it does not fit
         state, start = _start(run, ckpt, out, latest)
@@ -287,13 +290,33 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     return summary
 
 
+def _check_topology(cfg: RunConfig, out: Path, progress: bool) -> None:
+    """``mwra.topology``: the run compiled for that TPU slice (`tpu_plan.plan_for_topology`), its report printed
+    and written to ``tpu_plan.json``; ``ConfigError`` with the fixes when a policy does not fit."""
+    from mrl_jax.trainer.tpu_plan import plan_for_topology
+
+    report = plan_for_topology(cfg, cfg.mwra.topology, key="config key 'mwra.topology'")
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tpu_plan.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        if progress:
+            print(report, file=sys.stderr)
+    if not report.fits:
+        raise ConfigError(f"config key 'mwra.topology': the run does not fit {cfg.mwra.topology}:\n"
+                          + "\n".join(report.memory.misfits))
+
+
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
-                    process_id=None) -> dict:
-    """``mrl train``: multi-host set-up (a no-op on one host), config load, ``train``."""
+                    process_id=None, topology: str | None = None) -> dict:
+    """``mrl train``: multi-host set-up (a no-op on one host), config load (``topology`` sets
+    ``mwra.topology``), ``train``."""
     from mrl_jax.mwra import initialize_distributed
 
     initialize_distributed(coordinator, num_processes, process_id)
-    return train(load_yaml(RunConfig, config_path), out_dir, resume=resume)
+    cfg = load_yaml(RunConfig, config_path)
+    if topology is not None:
+        cfg = dataclasses.replace(cfg, mwra=dataclasses.replace(cfg.mwra, topology=topology))
+    return train(cfg, out_dir, resume=resume)
 
 
 def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temperature: float | None = None) -> dict:

@@ -22,7 +22,7 @@ import dataclasses
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import resolve_attention
 from mrl_jax.mwra import tpu
-from mrl_jax.mwra.memory_plan import device_use, gb
+from mrl_jax.mwra.memory_plan import device_use
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.memory import MemoryPlan, compile_plan
 from mrl_jax.trainer.run import Run
@@ -49,20 +49,22 @@ class TopologyPlan:
     def __str__(self) -> str:
         t = self.topology
         lines = [f"TPU plan on {t.name} ({t.topology}: {t.chips} chips, {len(t.devices())} devices, "
-                 f"{gb(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
+                 f"{size(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
                  str(self.plan), "per policy, per device of its mesh:"]
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
             verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
-            smp = "-" if f.sampler is None else gb(f.sampler.peak)
-            lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {gb(f.params)} + optimizer "
-                         f"{gb(f.optimizer)} + reference {gb(f.reference)}; update peak {gb(f.update.peak)}; sampler "
-                         f"peak {smp}; total {gb(f.total)} of {gb(self.hbm_per_device)}: {verdict}")
-            lines.append(f"    attention: {_attention_line(att)}; compiled: "
-                         + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
+            smp = "-" if f.sampler is None else size(f.sampler.peak)
+            lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
+                         f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {size(f.update.peak)}; "
+                         f"sampler peak {smp}; total {size(f.total)} of {size(self.hbm_per_device)}: {verdict}")
+            kernels = (f"{f.update.kernels} in the update, {0 if f.sampler is None else f.sampler.kernels} in the "
+                       "sampler")
+            lines.append(f"    attention: {_attention_line(att)} (Pallas kernel calls compiled: {kernels}); "
+                         "compiled in " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
         use = self._per_device()
         worst = max(use, key=use.get)
-        lines.append(f"most loaded device: {worst} with {gb(use[worst])} of {gb(self.hbm_per_device)}")
+        lines.append(f"most loaded device: {worst} with {size(use[worst])} of {size(self.hbm_per_device)}")
         lines.append("verdict: fits" if self.fits else "verdict: does not fit\n" + "\n".join(self.memory.misfits))
         return "\n".join(lines)
 
@@ -72,6 +74,14 @@ class TopologyPlan:
                 "attention": {f.name: a for f, a in zip(self.memory.figures, self.attention)},
                 "compile_seconds": {f.name: s for f, s in zip(self.memory.figures, self.memory.compile_seconds)},
                 "device_bytes": {str(k): v for k, v in self._per_device().items()}}
+
+
+def size(b: float) -> str:
+    """Bytes in binary units (HBM is sold in GiB): ``16 GiB``, ``251 MiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{int(b)} B"
 
 
 def _attention_line(impl: str) -> str:
