@@ -268,13 +268,15 @@ def plan(
 
     D = len(devices)
     ids = [d.id for d in devices]
+    tpu = getattr(devices[0], "platform", None) == "tpu"
     if assign is not None and any(a is not None for a in assign):
         if len(assign) != n:
             raise ValueError(f"assign has {len(assign)} entries for {n} costs: give one per policy (None = by cost)")
-        mode, groups = "disjoint", _assigned_groups(assign, ids, costs, names)
+        mode, groups = "disjoint", _assigned_groups(assign, ids, costs, names, tpu)
     elif D >= n:
         mode = "disjoint"
         sizes = proportional_split(costs, D)
+        sizes = tpu_mesh_sizes(sizes, costs) if tpu else sizes
         groups, start = [], 0
         for s in sizes:
             groups.append(ids[start:start + s])
@@ -338,8 +340,32 @@ def plan(
                 device_memory_bytes=dev_mem, _devices=tuple(devices))
 
 
-def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
-    """Device ids per policy under explicit overrides (see `plan`'s ``assign``); errors name the policy."""
+def tpu_mesh_sizes(sizes: Sequence[int], costs: Sequence[float]) -> list[int]:
+    """``sizes`` with no odd count above 1 (XLA:TPU has no all-reduce over such a group): odd sizes are paired,
+    the costlier of a pair taking a device from the other; a last odd one gives its device to the costliest
+    1-device policy, else leaves it idle."""
+    out = list(sizes)
+    odd = sorted((k for k, s in enumerate(out) if s > 1 and s % 2), key=lambda k: (-costs[k], k))
+    while len(odd) >= 2:
+        a, b = odd.pop(0), odd.pop()
+        out[a], out[b] = out[a] + 1, out[b] - 1
+    if odd:
+        k = odd[0]
+        out[k] -= 1
+        ones = sorted((j for j, s in enumerate(out) if s == 1), key=lambda j: (-costs[j], j))
+        if ones:
+            out[ones[0]] += 1
+    return out
+
+
+def _odd_on_tpu(k: int, size: int, names) -> PlanError:
+    return PlanError(f"policy {names[k]!r}: {size} devices on TPU: XLA:TPU has no all-reduce over an odd number of "
+                     "devices above 1; give it 1 or an even count", policy=k)
+
+
+def _assigned_groups(assign, ids, costs, names, tpu: bool = False) -> list[list[int]]:
+    """Device ids per policy under explicit overrides (see `plan`'s ``assign``); errors name the policy. ``tpu``:
+    no odd mesh size above 1 (given ones are refused, cost-sized ones adjusted by `tpu_mesh_sizes`)."""
     n = len(assign)
     groups: list = [None] * n
     claimed: dict[int, str] = {}
@@ -364,6 +390,10 @@ def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
     for k, c in counted.items():
         if c < 1:
             raise PlanError(f"policy {names[k]!r}: device count {c} must be >= 1", policy=k)
+    for k, g in enumerate(groups):
+        size = counted.get(k, 0 if g is None else len(g))
+        if tpu and size > 1 and size % 2:
+            raise _odd_on_tpu(k, size, names)
     need = sum(counted.values()) + len(auto)
     if need > len(free):
         raise PlanError(f"the device overrides need {sum(counted.values())} device(s) by count plus one per "
@@ -377,6 +407,7 @@ def _assigned_groups(assign, ids, costs, names) -> list[list[int]]:
     rest = free[start:]
     if auto:
         sizes = proportional_split([costs[k] for k in auto], len(rest))
+        sizes = tpu_mesh_sizes(sizes, [costs[k] for k in auto]) if tpu else sizes
         for k, s in zip(auto, sizes):
             groups[k], rest = rest[:s], rest[s:]
     return groups

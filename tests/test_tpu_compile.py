@@ -1,0 +1,100 @@
+"""CI gate for TPU: a tiny two-policy run compiled for a TPU slice from this CPU by XLA:TPU (libtpu, no TPU):
+every policy's update and sampler, one policy FSDP over 4 chips, the other on 2, the Pallas splash kernels on. A change that breaks TPU compilation (a kernel that does not lower, a
+host callback in a step, a sharding XLA:TPU rejects) fails here."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mrl_jax.mwra import tpu
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason=f"libtpu is not installed: {tpu.LIBTPU_INSTALL}")
+
+TINY = {
+    "seed": 0, "rounds": 1, "prompts_per_round": 4, "num_generations": 4, "eval_prompts": 4,
+    "task": {"name": "arith", "seed": 0},
+    "see": {"capacity": 64, "per_prompt_cap": 4, "peer_rollouts_per_prompt": 2, "peer_successes_per_prompt": 1},
+    "mwra": {"min_size": 64},
+    "policies": [
+        {"name": "llama", "devices": [0, 1, 2, 3], "probes": "xgrpo+sgt",
+         "model": {"family": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
+         "tokenizer": {"kind": "byte_bpe", "vocab_size": 300}, "sampling": {"max_new_tokens": 6}},
+        {"name": "gpt2", "devices": 2, "probes": "prp",
+         "model": {"family": "gpt2", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
+         "tokenizer": {"kind": "unigram", "vocab_size": 300}, "sampling": {"max_new_tokens": 6}},
+    ],
+}
+
+
+def test_tiny_round_compiles_for_tpu_with_the_kernels():
+    from mrl_jax.configs import from_dict
+    from mrl_jax.trainer.config import RunConfig
+    from mrl_jax.trainer.tpu_plan import plan_for_topology
+
+    report = plan_for_topology(from_dict(RunConfig, TINY), "v5e:2x4")
+    assert report.fits, str(report)
+    assert [list(p.device_ids) for p in report.plan.policies] == [[0, 1, 2, 3], [4, 5]]
+    assert report.hbm_per_device == 16 << 30
+    for p, f, secs in zip(report.plan.policies, report.memory.figures, report.memory.compile_seconds):
+        assert report.plan.platform == "tpu"
+        assert f.update.kernels > 0 and f.sampler.kernels > 0, f"{f.name}: no Pallas kernel compiled"
+        assert f.update.temp > 0 and f.sampler.temp > 0
+        assert secs["update"] > 0 and secs["sampler"] > 0
+    llama = report.memory.figures[0]
+    assert llama.params < 4 * report.plan.policies[0].param_count   # FSDP: less than the whole f32 model per chip
+    text = str(report)
+    assert "verdict: fits" in text and "splash" in text and "GiB" in text
+
+
+class _Chip:
+    process_index = 0
+
+    def __init__(self, i, platform="tpu"):
+        self.id, self.platform = i, platform
+
+
+def test_no_odd_mesh_on_tpu():
+    """XLA:TPU refuses an all-reduce over 3 devices (seen compiling this file's run with a 3-chip FSDP policy):
+    cost-sized meshes on TPU are 1 or even; an odd count asked for is refused naming the policy."""
+    from mrl_jax import mwra
+
+    chips = [_Chip(i) for i in range(8)]
+    cpus = [_Chip(i, "cpu") for i in range(8)]
+    assert [p.num_devices for p in mwra.plan([3.0, 5.0], cpus).policies] == [3, 5]
+    assert [p.num_devices for p in mwra.plan([3.0, 5.0], chips).policies] == [2, 6]
+    assert mwra.allocation.tpu_mesh_sizes([3, 3, 1, 1], [1.0, 2.0, 3.0, 4.0]) == [2, 4, 1, 1]
+    assert mwra.allocation.tpu_mesh_sizes([5, 2, 1], [1.0, 2.0, 3.0]) == [4, 2, 2]
+    with pytest.raises(mwra.PlanError, match="'b': 3 devices on TPU"):
+        mwra.plan([1.0, 1.0], chips, names=["a", "b"], assign=[None, 3])
+
+
+def test_unknown_topology_is_one_line(capsys):
+    from mrl_jax.cli import main
+
+    assert main(["plan", "--config", "experiments/configs/tiny_two_policy.yaml", "--topology", "v9-8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--topology" in err[0] and "v5e-8" in err[0]
+
+
+@pytest.mark.parametrize("name,topology,chips,devices", [
+    ("v5e-8", "v5e:2x4", 8, 8), ("v5p-16", "v5p:2x2x2", 8, 8), ("v6e-1", "v6e:1x1", 1, 1), ("v4-8", "v4:2x2x1", 4, 8),
+    ("V5LITEPOD-4", "v5e:2x2", 4, 4),
+])
+def test_slice_names(name, topology, chips, devices):
+    t = tpu.resolve(name)
+    assert (t.topology, t.chips, len(t.devices())) == (topology, chips, devices)
+    assert t.hbm_per_device * devices == t.hbm_per_chip * chips
+
+
+def test_no_libtpu_noise_where_no_tpu():
+    """With libtpu installed and no TPU, the CLI's backend set-up keeps JAX off the TPU backend: no init errors
+    on stderr, the CPU device."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("from mrl_jax.mwra.tpu import quiet_default_backend; quiet_default_backend(); import jax; "
+            "print(jax.devices()[0].platform)")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "cpu"
+    assert "TPU" not in res.stderr and "E0000" not in res.stderr, res.stderr
