@@ -36,18 +36,22 @@ def _loss(impl, mask, w, valid, **kw):
     return f
 
 
-def _check(mask, q, k, v, valid, tol, ref_impl="blockwise", **kw):
+def _check(mask, q, k, v, valid, tol, refs=("blockwise",), **kw):
+    """splash's outputs (at the valid queries) and q/k/v gradients equal each of ``refs``' within ``tol``."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    grads = {}
-    for impl in ("splash", ref_impl):
-        (loss, out), g = jax.value_and_grad(_loss(impl, mask, w, valid, **kw), argnums=(0, 1, 2), has_aux=True)(
+    got = {}
+    for impl in ("splash", *refs):
+        (loss, out), g = jax.jit(jax.value_and_grad(_loss(impl, mask, w, valid, **kw), argnums=(0, 1, 2),
+                                                    has_aux=True))(
             *[x.astype(jnp.float32) if impl != "splash" else x for x in (q, k, v)])
-        grads[impl] = (np.where(np.asarray(valid)[..., None, None], np.asarray(out, np.float32), 0), g)
-    (o_s, g_s), (o_r, g_r) = grads["splash"], grads[ref_impl]
-    np.testing.assert_allclose(o_s, o_r, atol=tol, rtol=tol)
-    for a, b in zip(g_s, g_r):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
+        got[impl] = (np.where(np.asarray(valid)[..., None, None], np.asarray(out, np.float32), 0), g)
+    o_s, g_s = got["splash"]
+    for ref in refs:
+        o_r, g_r = got[ref]
+        np.testing.assert_allclose(o_s, o_r, atol=tol, rtol=tol)
+        for a, b in zip(g_s, g_r):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
     return o_s
 
 
@@ -62,9 +66,8 @@ def test_causal_equals_ours(T, H, K, window, softcap):
     q, k, v = _qkv(rng, B, T, H, K, 8)
     valid = _left_padded(rng, B, T)
     mask = CausalMask(kv_mask=valid, offset=0, num_queries=T, window=window)
-    out = _check(mask, q, k, v, valid, F32_TOL, scale=8 ** -0.5, softcap=softcap)
+    out = _check(mask, q, k, v, valid, F32_TOL, refs=("blockwise", "dense"), scale=8 ** -0.5, softcap=softcap)
     assert np.all(out[-1] == 0) and np.abs(out[0]).max() > 0.1   # the all-padding row is zero; the others not
-    _check(mask, q, k, v, valid, F32_TOL, ref_impl="dense", scale=8 ** -0.5, softcap=softcap)
 
 
 def test_causal_bf16_close_to_f32():
@@ -106,7 +109,7 @@ def test_gemma3_model_logits_and_grads_with_splash():
         def loss(p):
             logits = nnx.merge(graphdef, p)(ids, attention_mask=mask)
             return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2), logits
-        (_, logits), g = jax.value_and_grad(loss, has_aux=True)(params)
+        (_, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         outs[impl] = (np.where(np.asarray(mask)[..., None], logits, 0), jax.tree.leaves(g))
     np.testing.assert_allclose(outs["splash"][0], outs["auto"][0], atol=2e-5, rtol=2e-5)
     for a, b in zip(outs["splash"][1], outs["auto"][1]):
