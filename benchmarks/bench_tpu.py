@@ -206,9 +206,14 @@ def main(argv=None) -> int:
 
     quiet_default_backend()
     args.work.mkdir(parents=True, exist_ok=True)
+    failed = 0
     for c in args.cases.split(","):
-        CASES[c](args.work)
-    return 0
+        try:
+            CASES[c](args.work)
+        except Exception as e:   # noqa: BLE001 -- one case's failure is reported, the others still run
+            failed += 1
+            print(json.dumps({"case": c, "error": f"{type(e).__name__}: {str(e)[:500]}"}), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -23,13 +24,16 @@ _GB = 1e9
 
 class StepMemory(NamedTuple):
     """``compiled.memory_analysis()`` of one step, bytes per device; ``kernels``: the Pallas (Mosaic) TPU kernel
-    calls in the compiled program (0 on other backends)."""
+    calls in the compiled program (0 on other backends). XLA:TPU refuses to compile a program whose temporaries
+    exceed the chip's HBM: then ``exhausted`` is set, ``temp`` is the figure its error names and ``args`` the
+    arguments' bytes."""
 
     args: int
     out: int
     temp: int
     alias: int
     kernels: int = 0
+    exhausted: bool = False   # the compiler refused the program (more than the device holds): temp from its error
 
     @property
     def peak(self) -> int:
@@ -40,13 +44,32 @@ class StepMemory(NamedTuple):
 def step_memory(fn: Callable, *args) -> Optional[StepMemory]:
     """The compiled memory of jitted ``fn`` on ``args`` (arrays or ``ShapeDtypeStruct``s); None when the
     backend reports no analysis."""
-    compiled = fn.lower(*args).compile()
+    lowered = fn.lower(*args)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        temp = exhausted_bytes(str(e))
+        if temp is None:
+            raise
+        return StepMemory(args=tree_bytes(args), out=0, temp=temp, alias=0, exhausted=True)
     mem = compiled.memory_analysis()
     if mem is None:
         return None
     kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"') if _on_tpu(args) else 0
     return StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
                       temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels)
+
+
+_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT]?)\)", re.S)
+
+
+def exhausted_bytes(message: str) -> Optional[int]:
+    """The temporaries' bytes in XLA:TPU's "Ran out of memory on HBM ... HLO temporaries (35.88G)" error; None
+    for any other error."""
+    m = _EXHAUSTED.search(message)
+    if m is None:
+        return None
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
 
 
 def _on_tpu(args) -> bool:

@@ -54,9 +54,9 @@ class TopologyPlan:
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
             verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
-            smp = "-" if f.sampler is None else size(f.sampler.peak)
+            smp = "-" if f.sampler is None else _peak(f.sampler)
             lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
-                         f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {size(f.update.peak)}; "
+                         f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {_peak(f.update)}; "
                          f"sampler peak {smp}; total {size(f.total)} of {size(self.hbm_per_device)}: {verdict}")
             kernels = (f"{f.update.kernels} in the update, {0 if f.sampler is None else f.sampler.kernels} in the "
                        "sampler")
@@ -82,6 +82,10 @@ def size(b: float) -> str:
         if b >= scale:
             return f"{b / scale:.3g} {unit}"
     return f"{int(b)} B"
+
+
+def _peak(step) -> str:
+    return f">= {size(step.peak)} (XLA:TPU refused it: over the HBM)" if step.exhausted else size(step.peak)
 
 
 def _attention_line(impl: str) -> str:
