@@ -97,3 +97,63 @@ def test_before_survives_resume_and_a_finished_run_is_left_untouched(tmp_path, c
     assert rc == 0 and "rounds: 1 -> 2" in err, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"] == before and summary["resumed_from"] == 0 and summary["rounds"] == 2
+
+
+# ------------------------------------------------------------------------------ table of bad inputs
+def _rows(tmp: Path, name: str, rows: list, text: str | None = None) -> str:
+    path = tmp / name
+    path.write_text(text if text is not None else "".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+DISTINCT = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+SAME = [{"prompt": "1+1=", "answer": "2"}] * 40
+
+
+def _dataset(**task):
+    def edit(cfg, tmp):
+        cfg["task"] = {"name": "dataset", "path": _rows(tmp, "d.jsonl", DISTINCT), **task}
+    return edit
+
+
+def _task(**task):
+    def edit(cfg, tmp):
+        cfg["task"] = task
+    return edit
+
+
+def _file_task(rows=None, text=None, **task):
+    def edit(cfg, tmp):
+        cfg["task"] = {"name": "dataset", "path": _rows(tmp, "f.jsonl", rows or [], text), **task}
+    return edit
+
+
+# (case, edit(config dict, tmp dir) -> extra argv or None, exit code, texts the one line must hold)
+CASES = [
+    ("eval_split_on_a_plain_file", _dataset(eval_split="test"), 2, ("'task.eval_split'", "plain file")),
+    ("split_on_a_plain_file", _dataset(split="train"), 2, ("'task.split'", "no splits")),
+    ("eval_fraction_zero", _dataset(eval_fraction=0.0), 2, ("task.eval_fraction", "holds out no rows")),
+    ("nothing_held_out", _dataset(eval_fraction=1e-6), 2, ("task.eval_fraction", "none held out",
+                                                          "raise task.eval_fraction")),
+    ("duplicate_rows", _file_task(SAME, eval_fraction=0.1), 2, ("task.eval_fraction", "1 distinct prompts",
+                                                               "rows 1, 2, 3, 4, 5, ...")),
+    ("eval_split_on_jsonl_task", _task(name="jsonl", path="x.jsonl", eval_split="test"), 2,
+     ("task.eval_split", "only task 'dataset'")),
+    ("empty_jsonl", _file_task(text=""), 2, ("f.jsonl", "the file is empty")),
+    ("malformed_jsonl_line", _file_task(text='{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n'
+                                             '{"prompt": "c", "answer"\n'), 2, ("f.jsonl:3:", "invalid JSON")),
+]
+
+
+@pytest.mark.parametrize("case, edit, code, needles", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_before_any_compile(tmp_path, capsys, case, edit, code, needles):
+    cfg = soak.tiny_config()
+    argv = ["train", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "run")]
+    extra = edit(cfg, tmp_path)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    if isinstance(extra, list):
+        argv = extra
+    rc, err, programs = _cli(capsys, *argv)
+    assert rc == code and "\n" not in err and "Traceback" not in err, err
+    assert all(n in err for n in needles), (needles, err)
+    assert programs == 0   # refused before any XLA program is built

@@ -291,6 +291,14 @@ class TaskSpec:
         check(self.size > 0, "size", f"must be > 0, got {self.size}")
         check(sum(x is not None for x in (self.eval_path, self.eval_split)) <= 1, "eval_path",
               "give eval_path or eval_split, not both")
+        for key in ("split", "eval_split", "eval_path"):
+            check(self.name == "dataset" or getattr(self, key) is None, key,
+                  f"only task 'dataset' reads it, this task is {self.name!r} (its held-out prompts are its own); "
+                  f"drop task.{key} or use name: dataset")
+        check(self.name != "dataset" or self.eval_path is not None or self.eval_split is not None
+              or self.eval_fraction > 0, "eval_fraction",
+              "0.0 with neither eval_path nor eval_split holds out no rows, so every held-out figure would be of "
+              "nothing; set it > 0 (e.g. 0.1), or give the held-out rows in task.eval_path")
 
 
 @dataclasses.dataclass(frozen=True)
