@@ -111,24 +111,57 @@ SAME = [{"prompt": "1+1=", "answer": "2"}] * 40
 
 
 def _dataset(**task):
-    def edit(cfg, tmp):
+    def edit(cfg, tmp, env):
         cfg["task"] = {"name": "dataset", "path": _rows(tmp, "d.jsonl", DISTINCT), **task}
     return edit
 
 
 def _task(**task):
-    def edit(cfg, tmp):
+    def edit(cfg, tmp, env):
         cfg["task"] = task
     return edit
 
 
 def _file_task(rows=None, text=None, **task):
-    def edit(cfg, tmp):
+    def edit(cfg, tmp, env):
         cfg["task"] = {"name": "dataset", "path": _rows(tmp, "f.jsonl", rows or [], text), **task}
     return edit
 
 
-# (case, edit(config dict, tmp dir) -> extra argv or None, exit code, texts the one line must hold)
+def _set(**overrides):
+    def edit(cfg, tmp, env):
+        for key, value in overrides.items():
+            node, parts = cfg, key.split(".")
+            for part in parts[:-1]:
+                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            node[parts[-1]] = value
+    return edit
+
+
+def _flags(*flags, env_vars=None):
+    """``mrl train`` of the tiny config with extra multi-host ``flags`` (and environment variables)."""
+    def edit(cfg, tmp, env):
+        for k, v in (env_vars or {}).items():
+            env.setenv(k, v)
+        return ["train", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "run"), *flags]
+    return edit
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _coordinator_gone(cfg, tmp, env):
+    env.setenv("MRL_INIT_TIMEOUT_S", "1")
+    return ["train", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "run"), "--coordinator",
+            f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1"]
+
+
+# (case, edit(config dict, tmp dir, monkeypatch) -> argv or None (train), exit code, texts the line must hold)
 CASES = [
     ("eval_split_on_a_plain_file", _dataset(eval_split="test"), 2, ("'task.eval_split'", "plain file")),
     ("split_on_a_plain_file", _dataset(split="train"), 2, ("'task.split'", "no splits")),
@@ -142,18 +175,53 @@ CASES = [
     ("empty_jsonl", _file_task(text=""), 2, ("f.jsonl", "the file is empty")),
     ("malformed_jsonl_line", _file_task(text='{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n'
                                              '{"prompt": "c", "answer"\n'), 2, ("f.jsonl:3:", "invalid JSON")),
+    ("max_num_gen_batches_unbounded", _set(dynamic_sampling={"enable": True, "max_num_gen_batches": 1000000}), 2,
+     ("dynamic_sampling.max_num_gen_batches", "is over 64", "completions")),
+    ("no_coordinator", _flags("--num-processes", "2", "--process-id", "0"), 2, ("--coordinator ($MRL_COORDINATOR)",)),
+    ("process_id_out_of_range", _flags("--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"),
+     2, ("--process-id 2 out of range for --num-processes 2",)),
+    ("coordinator_without_port", _flags("--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"), 2,
+     ("--coordinator 'localhost'", "host:port")),
+    ("zero_processes", _flags("--num-processes", "0"), 2, ("--num-processes 0", ">= 1")),
+    ("second_id_of_one_process", _flags("--num-processes", "1", "--process-id", "1"), 2,
+     ("--process-id 1 with --num-processes 1",)),
+    ("process_id_not_a_number", _flags("--coordinator", "localhost:1", "--num-processes", "2",
+                                       env_vars={"MRL_PROCESS_ID": "zero"}), 2, ("--process-id 'zero'", "$MRL_PROCESS_ID")),
+    ("bad_heartbeat", _flags("--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "0",
+                             env_vars={"MRL_HEARTBEAT_TIMEOUT_S": "0"}), 2, ("$MRL_HEARTBEAT_TIMEOUT_S",)),
+    ("coordinator_never_answers", _coordinator_gone, 2, ("--coordinator 127.0.0.1:", "nothing answered there within 1 s",
+                                                          "process 1 of 2", "(process 1 of 2, timeout 1 s)")),
 ]
+LINES = {"coordinator_never_answers": 2}   # "waiting for coordinator ..." first
 
 
 @pytest.mark.parametrize("case, edit, code, needles", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_before_any_compile(tmp_path, capsys, case, edit, code, needles):
+def test_bad_input_is_one_line_before_any_compile(tmp_path, capsys, monkeypatch, case, edit, code, needles):
     cfg = soak.tiny_config()
     argv = ["train", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "run")]
-    extra = edit(cfg, tmp_path)
+    extra = edit(cfg, tmp_path, monkeypatch)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     if isinstance(extra, list):
         argv = extra
     rc, err, programs = _cli(capsys, *argv)
-    assert rc == code and "\n" not in err and "Traceback" not in err, err
+    assert rc == code and err.count("\n") == LINES.get(case, 1) - 1 and "Traceback" not in err, err
     assert all(n in err for n in needles), (needles, err)
     assert programs == 0   # refused before any XLA program is built
+
+
+# ------------------------------------------------------------------------------------------ waits
+def test_dynamic_sampling_rounds_say_when_they_draw_more_and_when_they_keep_nothing(tmp_path, capsys):
+    from mrl_jax.tasks import RewardSpec
+    from mrl_jax.trainer import train
+
+    cfg = soak.to_run_config(soak.tiny_config(rounds=1, **{"dynamic_sampling": {"enable": True,
+                                                                                "max_num_gen_batches": 3}}))
+    train(cfg, tmp_path / "run", reward_specs=[RewardSpec(lambda prompt, completion: 1.0, name="constant")],
+          progress=False)
+    err = capsys.readouterr().err.splitlines()
+    draws = [line for line in err if line.startswith("[dynamic sampling]")]
+    assert draws == [f"[dynamic sampling] round 0: 0 of 4 prompts useful after {k} batch(es); drawing batch {k + 1} "
+                     "of at most 3" for k in (1, 2)]
+    zero = [line for line in err if "kept 0 of 4 groups" in line]
+    assert [("'llama_bpe'" in z, "'gpt2_uni'" in z) for z in zero] == [(True, False), (False, True)]
+    assert all("after 3 batch(es)" in z and "max_num_gen_batches" in z for z in zero)
