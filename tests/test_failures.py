@@ -175,6 +175,8 @@ CASES = [
     ("empty_jsonl", _file_task(text=""), 2, ("f.jsonl", "the file is empty")),
     ("malformed_jsonl_line", _file_task(text='{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n'
                                              '{"prompt": "c", "answer"\n'), 2, ("f.jsonl:3:", "invalid JSON")),
+    ("column_shadows_completions", _file_task([{"prompt": "1+1=", "answer": "2", "completions": "x"}] * 2 +
+                                              DISTINCT), 2, ("f.jsonl", "column 'completions'", "rename the column")),
     ("max_num_gen_batches_unbounded", _set(dynamic_sampling={"enable": True, "max_num_gen_batches": 1000000}), 2,
      ("dynamic_sampling.max_num_gen_batches", "is over 64", "completions")),
     ("no_coordinator", _flags("--num-processes", "2", "--process-id", "0"), 2, ("--coordinator ($MRL_COORDINATOR)",)),
@@ -225,3 +227,32 @@ def test_dynamic_sampling_rounds_say_when_they_draw_more_and_when_they_keep_noth
     zero = [line for line in err if "kept 0 of 4 groups" in line]
     assert [("'llama_bpe'" in z, "'gpt2_uni'" in z) for z in zero] == [(True, False), (False, True)]
     assert all("after 3 batch(es)" in z and "max_num_gen_batches" in z for z in zero)
+
+
+# ---------------------------------------------------------------------------------------- rewards
+def _raises_on_odd_length(prompt, completion):
+    if len(completion) % 2:
+        raise ValueError(f"odd length {len(completion)}")
+    return 0.5
+
+
+def test_reward_errors_are_one_stderr_line_per_round(tmp_path, capsys):
+    import re
+
+    from mrl_jax.tasks import RewardSpec
+    from mrl_jax.trainer import train
+
+    cfg = soak.to_run_config(soak.tiny_config(rounds=2, max_reward_failures=1000))
+    train(cfg, tmp_path / "run", reward_specs=[RewardSpec(_raises_on_odd_length, name="odd")], progress=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "reward 'odd' failed" in line]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    errors = {}
+    for r in records:
+        if "reward/odd/errors" in r:
+            errors[r["round"]] = errors.get(r["round"], 0) + int(r["reward/odd/errors"])
+    assert errors and sum(errors.values()) > 0
+    expected = [r for r in sorted(errors) if errors[r]]
+    assert [int(re.search(r"round (\d+):", line).group(1)) for line in lines] == expected
+    for line, r in zip(lines, expected):
+        assert f"failed on {errors[r]} calls (errors {errors[r]}; each scored 0)" in line
+        assert "ValueError: odd length" in line

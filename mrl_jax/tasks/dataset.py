@@ -26,6 +26,7 @@ __all__ = ["DATASET_ID_BASE", "DatasetError", "DatasetTask", "load_local_dataset
 DATASET_ID_BASE = 1_200_000_000
 EVAL_OFFSET = 500_000
 FORMATS = ("auto", "json", "jsonl", "parquet", "csv", "arrow")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")   # TRL's reward kwargs; columns follow them
 _EXT = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
@@ -172,6 +173,11 @@ class DatasetTask(Task):
             if key is not None and key not in cols:
                 raise DatasetError(f"{path}: no column {key!r} (columns: {cols}); set task.prompt_field / "
                                    "task.answer_field / task.id_field to one of them")
+        shadow = [c for c in cols if c in REWARD_ARGUMENTS and c != self.prompt_field]
+        if shadow:
+            raise DatasetError(f"{path}: column {shadow[0]!r} has the name of a reward function argument (TRL passes "
+                               "prompts, completions, completion_ids, then every other column as a keyword), so every "
+                               f"reward call would fail; rename the column (e.g. {shadow[0]}_ref)")
         if len(ds) == 0:
             raise DatasetError(f"{path}: the split has no rows")
         if len(ds) > EVAL_OFFSET:

@@ -26,7 +26,7 @@ from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_r
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
-                                   log_hook)
+                                   log_hook, reward_failure_hook)
 from mrl_jax.trainer.metrics import RunLog
 from mrl_jax.trainer.memory import plan_memory
 from mrl_jax.trainer.placement import fetch, placement_summary
@@ -326,6 +326,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         with _reward_scorer(run, reward_specs) as scorer:
             trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
             trainer.add_hook(log_hook(log))
+            if primary:
+                trainer.add_hook(reward_failure_hook(scorer))
             if cfg.eval_every:   # before the checkpoint: a run killed after it has logged the round's eval too
                 trainer.add_hook(eval_hook(run, log, cfg.eval_prompts), every=cfg.eval_every)
             trainer.add_hook(save, every=cfg.checkpoint_every, at_end=True)
