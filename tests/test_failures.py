@@ -71,13 +71,6 @@ def test_second_process_on_a_locked_run_directory_exits_2_naming_the_holder(tmp_
     assert path.read_text() == ""   # emptied on release
 
 
-def test_out_naming_a_file_is_one_line(tmp_path, capsys):
-    target = tmp_path / "f.txt"
-    target.write_text("x")
-    rc, err, programs = _cli(capsys, "train", "--config", _config(tmp_path), "--out", target)
-    assert rc == 2 and "\n" not in err and "--out" in err and "is a file" in err and programs == 0
-
-
 # --------------------------------------------------------------------------------- before, resume
 def test_before_survives_resume_and_a_finished_run_is_left_untouched(tmp_path, capsys):
     out = tmp_path / "run"
@@ -161,6 +154,27 @@ def _coordinator_gone(cfg, tmp, env):
             f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1"]
 
 
+def _eval(*flags, model=None):
+    """``mrl eval`` of the tiny config with ``flags`` (``model``: make that folder and pass it as --model)."""
+    def edit(cfg, tmp, env):
+        extra = []
+        if model is not None:
+            folder = tmp / "model"
+            folder.mkdir()
+            for name, text in model.items():
+                (folder / name).write_text(text)
+            extra = ["--model", str(folder), "--policy", "llama_bpe"]
+        return ["eval", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "ev"), *flags, *extra]
+    return edit
+
+
+def _out_is_a_file(verb):
+    def edit(cfg, tmp, env):
+        (tmp / "taken").write_text("x")
+        return [verb, "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "taken")]
+    return edit
+
+
 # (case, edit(config dict, tmp dir, monkeypatch) -> argv or None (train), exit code, texts the line must hold)
 CASES = [
     ("eval_split_on_a_plain_file", _dataset(eval_split="test"), 2, ("'task.eval_split'", "plain file")),
@@ -177,6 +191,25 @@ CASES = [
                                              '{"prompt": "c", "answer"\n'), 2, ("f.jsonl:3:", "invalid JSON")),
     ("column_shadows_completions", _file_task([{"prompt": "1+1=", "answer": "2", "completions": "x"}] * 2 +
                                               DISTINCT), 2, ("f.jsonl", "column 'completions'", "rename the column")),
+    ("reasoning_gym_bad_option", _task(name="reasoning_gym", datasets={"chain_sum": 1.0},
+                                       config={"chain_sum": {"min_term": 2}}), 2,
+     ("task.config.chain_sum.min_term", "valid options: min_terms, max_terms")),
+    ("reasoning_gym_bad_value", _task(name="reasoning_gym", datasets={"chain_sum": 1.0},
+                                      config={"chain_sum": {"min_terms": 5, "max_terms": 2}}), 2,
+     ("task.config.chain_sum", "ChainSumConfig rejects")),
+    ("reasoning_gym_config_not_in_datasets", _task(name="reasoning_gym", datasets={"chain_sum": 1.0},
+                                                   config={"basic_arithmetic": {"min_terms": 2}}), 2,
+     ("task.config.basic_arithmetic", "is not in task.datasets ['chain_sum']")),
+    ("reasoning_gym_unknown_dataset", _task(name="reasoning_gym", datasets={"chain_sums": 1.0}), 2,
+     ("task.datasets.chain_sums", "did you mean 'chain_sum'")),
+    ("eval_negative_temperature", _eval("--temperature", "-1"), 2, ("--temperature -1.0", "must be > 0")),
+    ("eval_negative_samples", _eval("--samples", "-1"), 2, ("--samples -1", "must be >= 0")),
+    ("eval_out_is_a_file", _out_is_a_file("eval"), 2, ("--out", "is a file")),
+    ("train_out_is_a_file", _out_is_a_file("train"), 2, ("--out", "is a file")),
+    ("eval_model_is_a_run_directory", _eval(model={"config.json": json.dumps({"policies": []})}), 2,
+     ("--model", "is a run directory", "--run")),
+    ("eval_model_is_not_a_model", _eval(model={"notes.txt": "x"}), 2,
+     ("--model", "not a model directory", "config.json with a model_type")),
     ("max_num_gen_batches_unbounded", _set(dynamic_sampling={"enable": True, "max_num_gen_batches": 1000000}), 2,
      ("dynamic_sampling.max_num_gen_batches", "is over 64", "completions")),
     ("no_coordinator", _flags("--num-processes", "2", "--process-id", "0"), 2, ("--coordinator ($MRL_COORDINATOR)",)),
@@ -256,3 +289,26 @@ def test_reward_errors_are_one_stderr_line_per_round(tmp_path, capsys):
     for line, r in zip(lines, expected):
         assert f"failed on {errors[r]} calls (errors {errors[r]}; each scored 0)" in line
         assert "ValueError: odd length" in line
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C
+def test_ctrl_c_inside_a_checkpoint_write_is_one_line_with_the_resume_command(tmp_path, capsys, monkeypatch):
+    from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
+
+    original = cch.CompositeCheckpointHandler.save
+
+    def save(self, directory, *args, **kwargs):   # the arrays are in the temporary folder, not yet renamed
+        out = original(self, directory, *args, **kwargs)
+        if Path(str(directory)).name.split(".")[0] == "1":
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(_config(tmp_path, rounds=3)), "--out", str(out)]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130 and "Traceback" not in "\n".join(err)
+    assert err[-1] == (f"mrl train: interrupted in round 1; the checkpoint of round 0 in {out / 'checkpoints'} is "
+                       "intact (later rounds are redone); resume with: mrl " + " ".join(argv + ["--resume"]))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]   # no stale *.orbax-checkpoint-tmp

@@ -136,6 +136,23 @@ def _check_config_changes(out: Path, cfg: RunConfig) -> None:
               f"(config.json) in {diffs}", file=sys.stderr, flush=True)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``train``: the message names the round and the intact checkpoint to resume from."""
+
+
+def _interrupted(ckpt: RunCheckpointer, round_index: int) -> str:
+    """Drop the temporary folder of a checkpoint write the interrupt cut short (orbax renames a finished one);
+    the line naming the round and the checkpoint a resume starts from."""
+    import shutil
+
+    for tmp in ckpt.directory.glob("*.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = ckpt.latest_round()
+    kept = (f"the checkpoint of round {done} in {ckpt.directory} is intact (later rounds are redone)"
+            if done is not None else "no checkpoint was complete yet (a new run starts over)")
+    return f"interrupted in round {round_index}; {kept}"
+
+
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
     if reward_specs:
         specs = list(reward_specs)
@@ -334,6 +351,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
             trainer.add_hook(stop)
             for info in trainer.rounds(state, start):
                 state, r = info.state, info.round + 1
+    except KeyboardInterrupt:
+        raise RunInterrupted(_interrupted(ckpt, r)) from None
     except RewardFailure as e:
         done = ckpt.latest_round()
         raise RewardFailure(
@@ -382,5 +401,5 @@ def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temp
     return out
 
 
-__all__ = ["ConfigError", "Run", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",
+__all__ = ["ConfigError", "Run", "RunInterrupted", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",
            "text_budget", "train", "train_from_yaml"]

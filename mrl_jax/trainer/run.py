@@ -56,9 +56,12 @@ def build_task(cfg: RunConfig) -> Task:
         except DatasetError as e:
             raise ConfigError(f"config key 'task': {e}") from None
     if t.name == "reasoning_gym":
-        from mrl_jax.tasks.reasoning_gym import ReasoningGymTask
+        from mrl_jax.tasks.reasoning_gym import ReasoningGymConfigError, ReasoningGymTask
 
-        return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
+        try:
+            return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
+        except ReasoningGymConfigError as e:
+            raise ConfigError(str(e)) from None
     if not Path(t.path).is_file():
         raise ConfigError(f"config key 'task.path': {t.path} is not a file (missing, or a directory); give the "
                           ".jsonl file of {prompt, answer} lines")
