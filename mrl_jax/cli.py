@@ -211,6 +211,34 @@ def _bad_arguments(args) -> str | None:
     return None
 
 
+def _closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+def _quiet_libraries() -> None:
+    """Library chatter kept off the screen (once per process): absl / orbax warnings, and the asyncio
+    ``Event loop is closed`` reports of the event loops orbax leaves behind after a failed restore."""
+    import logging
+    import threading
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    if getattr(sys.unraisablehook, "mrl_quiet", False):
+        return
+    unraisable, in_thread = sys.unraisablehook, threading.excepthook
+
+    def quiet_unraisable(u):
+        if not _closed_loop(u.exc_value):
+            unraisable(u)
+
+    def quiet_thread(a):
+        if not _closed_loop(a.exc_value):
+            in_thread(a)
+
+    quiet_unraisable.mrl_quiet = True
+    sys.unraisablehook, threading.excepthook = quiet_unraisable, quiet_thread
+
+
 def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> int:
     """Ctrl-C: one line, no traceback (``train``: where it stopped and the command that continues it); exit 130
     (128 + SIGINT, as a shell reports it)."""
@@ -232,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"mrl {args.verb}: {bad}", file=sys.stderr)
         return 2
+    _quiet_libraries()
     if args.verb != "config-help":  # before any compile: later runs load compiled programs from disk
         from mrl_jax.compile_cache import enable as enable_compile_cache
 

@@ -72,24 +72,67 @@ def test_second_process_on_a_locked_run_directory_exits_2_naming_the_holder(tmp_
 
 
 # --------------------------------------------------------------------------------- before, resume
-def test_before_survives_resume_and_a_finished_run_is_left_untouched(tmp_path, capsys):
+FINISHED = dict(rounds=1, eval_samples=2, eval_prompts=4)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished one-round run of the tiny config through the CLI (with a sampled evaluation: ``before``)."""
+    root = tmp_path_factory.mktemp("finished")
+    assert main(["train", "--config", str(_config(root, "one.yaml", **FINISHED)), "--out", str(root / "run")]) == 0
+    return root / "run"
+
+
+def _copy(finished, tmp_path) -> Path:
+    import shutil
+
     out = tmp_path / "run"
-    first = _config(tmp_path, "one.yaml", rounds=1, eval_samples=2, eval_prompts=4)
-    assert main(["train", "--config", str(first), "--out", str(out)]) == 0
+    shutil.copytree(finished, out)
+    return out
+
+
+def test_before_survives_resume_and_a_finished_run_is_left_untouched(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
     before = json.loads((out / "before.json").read_text())
     assert json.loads((out / "summary.json").read_text())["before"] == before
     assert set(before) >= {"llama_bpe", "gpt2_uni"} and "pass@1" in json.dumps(before)
     snapshot = _files(out)
     capsys.readouterr()
-    rc, err, programs = _cli(capsys, "train", "--config", first, "--out", out, "--resume")
+    rc, err, programs = _cli(capsys, "train", "--config", _config(tmp_path, "one.yaml", **FINISHED), "--out", out,
+                             "--resume")
     assert rc == 0 and "is complete" in err and programs == 0
     assert _files(out) == snapshot   # a resume of a finished run changes nothing
     # one more round (as after a kill following checkpoint 0): the summary keeps the starting state's figures
-    more = _config(tmp_path, "two.yaml", rounds=2, eval_samples=2, eval_prompts=4)
+    more = _config(tmp_path, "two.yaml", **dict(FINISHED, rounds=2))
     rc, err, _ = _cli(capsys, "train", "--config", more, "--out", out, "--resume")
     assert rc == 0 and "rounds: 1 -> 2" in err, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"] == before and summary["resumed_from"] == 0 and summary["rounds"] == 2
+
+
+def _resume_refused(capsys, tmp_path, out, **overrides) -> list[str]:
+    cfg = _config(tmp_path, "more.yaml", **dict(FINISHED, rounds=2, **overrides))
+    rc, err, _ = _cli(capsys, "train", "--config", cfg, "--out", out, "--resume")
+    lines = err.splitlines()
+    assert rc == 2 and "Traceback" not in err and "Event loop is closed" not in err and "absl" not in err, err
+    assert len(lines) == 2 and lines[0].startswith("mrl train: warning: resuming"), err   # the changed keys, the error
+    return lines
+
+
+def test_resume_with_another_model_size_is_one_line(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    model = {"family": "llama", "hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    lines = _resume_refused(capsys, tmp_path, out, **{"policies.0.model": model})
+    assert "float32[261, 32] but this run's config gives float32[261, 64]" in lines[1], lines
+
+
+def test_corrupted_checkpoint_is_one_line_naming_the_array(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    for f in (out / "checkpoints" / "0" / "state").rglob("d/*"):
+        f.write_bytes(os.urandom(100))
+    lines = _resume_refused(capsys, tmp_path, out)
+    assert "(round 0) is incomplete or corrupted" in lines[1] and "TensorStore details" not in lines[1], lines
+    assert "Error reading" in lines[1] and "start a new --out" in lines[1]
 
 
 # ------------------------------------------------------------------------------ table of bad inputs
