@@ -119,6 +119,15 @@ def _resume_refused(capsys, tmp_path, out, **overrides) -> list[str]:
     return lines
 
 
+def test_resume_with_other_num_generations_is_refused_before_any_work(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    snapshot = _files(out)
+    cfg = _config(tmp_path, "g.yaml", **dict(FINISHED, rounds=2, num_generations=2))
+    rc, err, programs = _cli(capsys, "train", "--config", cfg, "--out", out, "--resume")
+    assert rc == 2 and "\n" not in err and "config key 'num_generations'" in err and "num_generations: 4" in err
+    assert programs == 0 and _files(out) == snapshot
+
+
 def test_resume_with_another_model_size_is_one_line(finished, tmp_path, capsys):
     out = _copy(finished, tmp_path)
     model = {"family": "llama", "hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
@@ -253,6 +262,10 @@ CASES = [
      ("--model", "is a run directory", "--run")),
     ("eval_model_is_not_a_model", _eval(model={"notes.txt": "x"}), 2,
      ("--model", "not a model directory", "config.json with a model_type")),
+    ("reward_weight_not_a_number", _set(rewards=[{"builtin": "accuracy"}, {"builtin": "format", "weight": "heavy"}]),
+     2, ("rewards[1].weight", "'heavy' is not a finite number")),
+    ("reward_weight_nan", _set(rewards=[{"builtin": "accuracy"}, {"builtin": "format", "weight": float("nan")}]), 2,
+     ("rewards[1].weight", "nan is not a finite number")),
     ("max_num_gen_batches_unbounded", _set(dynamic_sampling={"enable": True, "max_num_gen_batches": 1000000}), 2,
      ("dynamic_sampling.max_num_gen_batches", "is over 64", "completions")),
     ("no_coordinator", _flags("--num-processes", "2", "--process-id", "0"), 2, ("--coordinator ($MRL_COORDINATOR)",)),

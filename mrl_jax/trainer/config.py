@@ -390,7 +390,9 @@ class RunConfig:
         default_factory=list,
         help="reward functions (TRL's reward_funcs + reward_weights): [{function: 'pkg.mod:name', weight, name, "
              "isolation: thread | process}, "
-             "{builtin: accuracy | format (pattern) | overlong (max_length, cache), weight, name}]; user functions "
+             "{builtin: accuracy | format (pattern; default TRL's think format "
+             "'<think>\\n.*?\\n</think>\\n<answer>\\n.*?\\n</answer>') | overlong (max_length, cache), weight, "
+             "name}]; user functions "
              "take TRL's (prompts, completions, completion_ids, **columns) and return floats or None; the total is "
              "the weighted sum. Empty = the task's verifier alone. A verified success (SEE, SGT's rescue set, "
              "success_rate) is the verifier's accuracy >= see.success_threshold, never the weighted sum "
