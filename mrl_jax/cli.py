@@ -227,8 +227,68 @@ def _failure(verb: str, e: Exception) -> int:
     return 2
 
 
+def _bad_arguments(args) -> str | None:
+    """The one-line error of a flag value no verb can use (checked before any work), or None."""
+    out = getattr(args, "out", None)
+    if out is not None and out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a directory; give a directory (created if missing)"
+    if args.verb == "eval" and args.samples is not None and args.samples < 0:
+        return f"--samples {args.samples}: must be >= 0 (0 = greedy only; K > 0 = K sampled completions per prompt)"
+    if args.verb == "eval" and args.temperature is not None and not args.temperature > 0:
+        return f"--temperature {args.temperature}: must be > 0 (the sampling temperature of --samples)"
+    return None
+
+
+def _closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+def _quiet_libraries() -> None:
+    """Library chatter kept off the screen (once per process): absl / orbax warnings, and the asyncio
+    ``Event loop is closed`` reports of the event loops orbax leaves behind after a failed restore."""
+    import logging
+    import threading
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    if getattr(sys.unraisablehook, "mrl_quiet", False):
+        return
+    unraisable, in_thread = sys.unraisablehook, threading.excepthook
+
+    def quiet_unraisable(u):
+        if not _closed_loop(u.exc_value):
+            unraisable(u)
+
+    def quiet_thread(a):
+        if not _closed_loop(a.exc_value):
+            in_thread(a)
+
+    quiet_unraisable.mrl_quiet = True
+    sys.unraisablehook, threading.excepthook = quiet_unraisable, quiet_thread
+
+
+def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> int:
+    """Ctrl-C: one line, no traceback (``train``: where it stopped and the command that continues it); exit 130
+    (128 + SIGINT, as a shell reports it)."""
+    import shlex
+
+    line = str(e) or "interrupted"
+    if args.verb == "train":
+        resumable = args.resume or (str(e) and "no checkpoint was complete" not in str(e))
+        cmd = [a for a in argv if a != "--resume"] + (["--resume"] if resumable else [])
+        line += f"; {'resume' if resumable else 'start it again'} with: mrl {shlex.join(cmd)}"
+    print(f"mrl {args.verb}: {line}", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    bad = _bad_arguments(args)
+    if bad:
+        print(f"mrl {args.verb}: {bad}", file=sys.stderr)
+        return 2
+    _quiet_libraries()
     from mrl_jax.mwra.tpu import quiet_default_backend
 
     quiet_default_backend()   # libtpu installed, no TPU here: no TPU init errors, no second lost at start
@@ -251,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = VERBS[args.verb](args)
     except expected as e:
         return _failure(args.verb, e)
+    except KeyboardInterrupt as e:
+        return _interrupted(args, argv, e)
     if isinstance(summary, int):
         return summary
     _write_summary(args.out, summary)

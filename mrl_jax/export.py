@@ -189,6 +189,26 @@ def export_policy(run_dir, policy: str, out_dir, *, checkpoint: int | None = Non
     return dict(info, out=str(out), files=files + [PROVENANCE])
 
 
+def _check_model_dir(model_dir: Path) -> None:
+    """``--model`` is a model directory (``config.json`` with a ``model_type``, safetensors weights and a
+    tokenizer), not a run directory or another folder; ``ExportError`` naming ``--model`` otherwise."""
+    cfg_file = model_dir / "config.json"
+    try:
+        hf = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+    except ValueError:
+        hf = None
+    if isinstance(hf, dict) and "policies" in hf:
+        raise ExportError(f"--model {model_dir} is a run directory of `mrl train`, not a model; evaluate it with "
+                          f"--run {model_dir}, or write a model with `mrl export --run {model_dir} --policy NAME`")
+    missing = [what for what, ok in (
+        ("config.json with a model_type", isinstance(hf, dict) and "model_type" in hf),
+        ("*.safetensors weights", any(model_dir.glob("*.safetensors"))),
+        ("tokenizer.json", (model_dir / "tokenizer.json").is_file())) if not ok]
+    if missing:
+        raise ExportError(f"--model {model_dir}: not a model directory (no {', no '.join(missing)}); pass a "
+                          "directory written by `mrl export` (or a Hugging Face checkpoint)")
+
+
 def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict:
     """``mrl eval --model DIR``: held-out success of an exported directory (HF or PEFT adapter) on the task of
     ``config_path``, prompted and sampled as the config's policy ``policy`` (default: the only one)."""
@@ -214,10 +234,8 @@ def evaluate_exported(config_path, model_dir, policy: str | None = None) -> dict
                                        spec.lora, rank=adapter["r"], alpha=float(adapter["lora_alpha"]),
                                        dropout=float(adapter.get("lora_dropout") or 0.0),
                                        target_modules=lora_lib.targets_from_peft(adapter["target_modules"])))
-    elif not (model_dir / "config.json").is_file():
-        raise ExportError(f"{model_dir}: neither config.json nor adapter_config.json; pass a directory written by "
-                          "`mrl export`")
     else:
+        _check_model_dir(model_dir)
         spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=str(model_dir)),
                                    lora=dataclasses.replace(spec.lora, rank=0))
     spec = dataclasses.replace(spec, tokenizer=dataclasses.replace(spec.tokenizer, path=str(model_dir)),

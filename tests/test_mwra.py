@@ -246,7 +246,7 @@ def test_initialize_distributed_single_process_is_noop(clean_env):
 
 
 def test_initialize_distributed_validation(clean_env):
-    with pytest.raises(ValueError, match=r"coordinator_address \(\$MRL_COORDINATOR\)"):
+    with pytest.raises(ValueError, match=r"--coordinator \(\$MRL_COORDINATOR\)"):
         mwra.initialize_distributed(num_processes=2, process_id=0)
     with pytest.raises(ValueError, match="out of range"):
         mwra.initialize_distributed("localhost:1234", 2, 2)

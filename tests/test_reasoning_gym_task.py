@@ -31,5 +31,5 @@ def test_composite_round_trips_through_score_answer():
 
 
 def test_unknown_dataset_is_one_line():
-    with pytest.raises(ValueError, match=r"unknown reasoning-gym datasets \['no_such_set'\]"):
+    with pytest.raises(ValueError, match=r"'task.datasets.no_such_set': no reasoning-gym dataset 'no_such_set'"):
         ReasoningGymTask({"no_such_set": 1.0})

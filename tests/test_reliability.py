@@ -174,8 +174,9 @@ def test_corrupted_checkpoint_names_dir_and_fix(reference, tmp_path, template):
     for f in (out / "checkpoints" / "3" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError) as e:
-        train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    with pytest.raises(CheckpointError) as e:   # one more round: a resume of a finished run reads no checkpoint
+        train(cfg_of(**base_overrides(rounds=ROUNDS + 1)), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+              progress=False)
     msg = str(e.value)
     assert str(out / "checkpoints" / "3") in msg and "corrupted" in msg
     assert "delete" in msg and "round 2" in msg  # the fix: fall back to the previous complete checkpoint

@@ -5,16 +5,26 @@ import atexit
 import dataclasses
 import os
 import re
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
+
+from mrl_jax.configs import ConfigError
 
 ENV_COORDINATOR = ("MRL_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = ("MRL_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 ENV_PROCESS_ID = ("MRL_PROCESS_ID", "JAX_PROCESS_ID")
 ENV_HEARTBEAT = ("MRL_HEARTBEAT_TIMEOUT_S",)
+ENV_INIT_TIMEOUT = ("MRL_INIT_TIMEOUT_S",)
+
+
+class DistributedSetupError(ConfigError):
+    """A multi-host start-up setting (``mrl train`` flag or its environment variable) is wrong, or the
+    coordinator never answered; the message names the flag and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +49,12 @@ def _int(value, label: str, env: tuple[str, ...]) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{label}={value!r} is not an integer (argument or ${' / $'.join(env)})") from e
+        raise DistributedSetupError(f"{label} {value!r} is not an integer (flag or ${' / $'.join(env)})") from e
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *, auto_detect: bool | None = None,
-                           local_device_ids=None, initialization_timeout: int = 300,
+                           local_device_ids=None, initialization_timeout: int | None = None,
                            heartbeat_timeout_s: int | None = None) -> DistributedInfo:
     """Join the processes of one run (one process per host) before any other JAX call.
 
@@ -55,6 +65,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     detection (SLURM, Open MPI, Cloud TPU pods, ...) decides.
     ``heartbeat_timeout_s`` (else ``$MRL_HEARTBEAT_TIMEOUT_S``, else JAX's default, 100 s): how long the others
     wait for a process that stopped answering before they abort (docs/multihost.md, "When a process dies").
+    ``initialization_timeout`` (else ``$MRL_INIT_TIMEOUT_S``, else 300 s): how long a process waits for the
+    coordinator (one line on stderr says it waits; a coordinator that never answers is a
+    ``DistributedSetupError`` naming ``--coordinator``, not JAX's abort).
     Calling it again after a successful start returns the running state. Afterwards ``jax.devices()`` is the
     global device list, and `allocate` / `plan` spread policies over every host's devices.
     """
@@ -63,39 +76,42 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                                coordinator_address or _env(ENV_COORDINATOR))
     coordinator_address = coordinator_address or _env(ENV_COORDINATOR)
     num_processes = _int(num_processes if num_processes is not None else _env(ENV_NUM_PROCESSES),
-                         "num_processes", ENV_NUM_PROCESSES)
-    process_id = _int(process_id if process_id is not None else _env(ENV_PROCESS_ID), "process_id",
+                         "--num-processes", ENV_NUM_PROCESSES)
+    process_id = _int(process_id if process_id is not None else _env(ENV_PROCESS_ID), "--process-id",
                       ENV_PROCESS_ID)
+    timeout = _int(initialization_timeout if initialization_timeout is not None else _env(ENV_INIT_TIMEOUT),
+                   "initialization timeout", ENV_INIT_TIMEOUT) or 300
 
     if auto_detect is None:
         auto_detect = os.environ.get("MRL_DISTRIBUTED_AUTO", "").strip().lower() in ("1", "true", "yes")
     if coordinator_address is None and num_processes is None and process_id is None:
         if not auto_detect:
             return DistributedInfo(False, 0, 1, None)
-        jax.distributed.initialize(initialization_timeout=initialization_timeout)
+        jax.distributed.initialize(initialization_timeout=timeout)
         return DistributedInfo(True, jax.process_index(), jax.process_count(), None)
     if num_processes is not None and num_processes < 1:
-        raise ValueError(f"num_processes={num_processes}: must be >= 1 (one process per host)")
+        raise DistributedSetupError(f"--num-processes {num_processes}: must be >= 1 (one process per host)")
     if num_processes == 1:
         if process_id not in (None, 0):
-            raise ValueError(f"process_id={process_id} with num_processes=1: the only process has id 0")
+            raise DistributedSetupError(f"--process-id {process_id} with --num-processes 1: the only process has "
+                                        "id 0")
         return DistributedInfo(False, 0, 1, coordinator_address)
-    missing = [n for n, v in (("coordinator_address ($MRL_COORDINATOR)", coordinator_address),
-                              ("num_processes ($MRL_NUM_PROCESSES)", num_processes),
-                              ("process_id ($MRL_PROCESS_ID)", process_id)) if v is None]
+    missing = [n for n, v in (("--coordinator ($MRL_COORDINATOR)", coordinator_address),
+                              ("--num-processes ($MRL_NUM_PROCESSES)", num_processes),
+                              ("--process-id ($MRL_PROCESS_ID)", process_id)) if v is None]
     if missing:
-        raise ValueError(f"multi-process start needs {', '.join(missing)}: set all three on every host "
-                         "(same coordinator host:port and count everywhere; ids 0..num_processes-1)")
+        raise DistributedSetupError(f"multi-process start needs {', '.join(missing)}: set all three on every host "
+                                    "(same coordinator host:port and count everywhere; ids 0..num_processes-1)")
     heartbeat = _int(heartbeat_timeout_s if heartbeat_timeout_s is not None else _env(ENV_HEARTBEAT),
-                     "heartbeat_timeout_s", ENV_HEARTBEAT)
+                     "heartbeat timeout", ENV_HEARTBEAT)
     if heartbeat is not None and heartbeat < 1:
-        raise ValueError(f"heartbeat_timeout_s={heartbeat}: must be >= 1 second ($MRL_HEARTBEAT_TIMEOUT_S)")
+        raise DistributedSetupError(f"heartbeat timeout {heartbeat}: must be >= 1 second ($MRL_HEARTBEAT_TIMEOUT_S)")
     if not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id={process_id} out of range for num_processes={num_processes}: "
-                         f"use 0..{num_processes - 1}, a different one on each host")
+        raise DistributedSetupError(f"--process-id {process_id} out of range for --num-processes {num_processes}: "
+                                    f"use 0..{num_processes - 1}, a different one on each host")
     if ":" not in coordinator_address:
-        raise ValueError(f"coordinator_address={coordinator_address!r}: use host:port of process 0, "
-                         "e.g. 10.0.0.1:1234")
+        raise DistributedSetupError(f"--coordinator {coordinator_address!r}: use host:port of process 0, "
+                                    "e.g. 10.0.0.1:1234")
     try:  # CPU multi-process collectives; gloo is the default in recent jax, set it where it is unset
         if jax.config.jax_cpu_collectives_implementation is None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -103,10 +119,33 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         pass
     extra = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
     _WATCH["heartbeat_s"] = heartbeat or 100
+    print(f"waiting for coordinator {coordinator_address} (process {process_id} of {num_processes}, timeout "
+          f"{timeout} s)", file=sys.stderr, flush=True)
+    if process_id != 0:   # process 0 serves the coordinator; the others first see its port open (JAX aborts)
+        _wait_for_port(coordinator_address, timeout, process_id, num_processes)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout, **extra)
+                               initialization_timeout=timeout, **extra)
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+
+
+def _wait_for_port(address: str, timeout_s: float, process_id: int, num_processes: int) -> None:
+    """Block until a TCP connection to ``address`` (``host:port``) succeeds; ``DistributedSetupError`` naming
+    ``--coordinator`` when nothing answers within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except (OSError, ValueError) as e:
+            if isinstance(e, ValueError) or time.monotonic() >= deadline:
+                why = "its port is not a number" if isinstance(e, ValueError) else f"{e.strerror or e}"
+                raise DistributedSetupError(
+                    f"--coordinator {address}: nothing answered there within {timeout_s:g} s (process {process_id} "
+                    f"of {num_processes}; {why}); start process 0 with the same --coordinator first, check the host "
+                    "and port, or wait longer with $MRL_INIT_TIMEOUT_S") from None
+        time.sleep(0.25)
 
 
 _BARRIERS: dict = {}

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 
-_GB = 1e9
+_GIB = float(1 << 30)   # GiB, the unit of mwra.memory_gb
 
 
 class StepMemory(NamedTuple):
@@ -135,7 +135,7 @@ class PolicyMemory:
 
 
 def gb(b: float) -> str:
-    return f"{b / _GB:.3g} GB"
+    return f"{b / _GIB:.3g} GiB"
 
 
 def device_use(groups: Sequence[Sequence[int]], figures: Sequence[PolicyMemory]) -> dict[int, int]:

@@ -9,6 +9,7 @@ import multiprocessing.connection
 import numbers
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -182,6 +183,7 @@ class _ThreadRunner:
 
 # --------------------------------------------------------------------------------- process runner
 def _process_worker_main(conn, payload: bytes, low: float, high: float, allow_none: bool = False) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the run's: the parent stops its workers, no traces
     try:
         fn = pickle.loads(payload)
     except BaseException as e:  # noqa: BLE001

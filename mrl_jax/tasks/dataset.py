@@ -26,6 +26,7 @@ __all__ = ["DATASET_ID_BASE", "DatasetError", "DatasetTask", "load_local_dataset
 DATASET_ID_BASE = 1_200_000_000
 EVAL_OFFSET = 500_000
 FORMATS = ("auto", "json", "jsonl", "parquet", "csv", "arrow")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")   # TRL's reward kwargs; columns follow them
 _EXT = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
@@ -63,6 +64,13 @@ def load_local_dataset(path: str | os.PathLike, fmt: str = "auto", split: str | 
             return ds[name]
         return ds
     builder = _builder(path, fmt)
+    if builder in ("json", "csv") and not _has_text(path):
+        raise DatasetError(f"{path}: the file is empty (no rows); give a file with one row per prompt")
+    bad = _bad_json_line(path) if builder == "json" else None
+    if bad:   # datasets' own message has no line number (and logs a traceback)
+        raise DatasetError(f"{path}:{bad}")
+    bars_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()   # no "Generating train split" bars on stderr
     try:
         if builder == "arrow":
             return datasets.Dataset.from_file(path)
@@ -71,6 +79,35 @@ def load_local_dataset(path: str | os.PathLike, fmt: str = "auto", split: str | 
         if "corresponds to no data" in str(e):
             raise DatasetError(f"{path}: the split has no rows") from None
         raise DatasetError(f"{path}: could not be read as {builder} ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        if not bars_off:
+            datasets.enable_progress_bars()
+
+
+def _has_text(path: str) -> bool:
+    """Whether the file holds anything but whitespace."""
+    with open(path, "rb") as fh:
+        return any(chunk.strip() for chunk in iter(lambda: fh.read(1 << 16), b""))
+
+
+def _bad_json_line(path: str) -> str | None:
+    """``"LINE: why"`` of the first line of a JSON-lines file that is not one JSON object (None: every line is,
+    or the file is one JSON document)."""
+    import json
+
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError as e:
+                if lineno == 1 and raw.lstrip()[:1] == b"[":
+                    return None   # a JSON array document, not JSON lines
+                return f"{lineno}: invalid JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})"
+            if not isinstance(record, dict):
+                return f"{lineno}: expected a JSON object per line, got {type(record).__name__}"
+    return None
 
 
 def _text(value: Any, key: str, where: str) -> str:
@@ -136,6 +173,11 @@ class DatasetTask(Task):
             if key is not None and key not in cols:
                 raise DatasetError(f"{path}: no column {key!r} (columns: {cols}); set task.prompt_field / "
                                    "task.answer_field / task.id_field to one of them")
+        shadow = [c for c in cols if c in REWARD_ARGUMENTS and c != self.prompt_field]
+        if shadow:
+            raise DatasetError(f"{path}: column {shadow[0]!r} has the name of a reward function argument (TRL passes "
+                               "prompts, completions, completion_ids, then every other column as a keyword), so every "
+                               f"reward call would fail; rename the column (e.g. {shadow[0]}_ref)")
         if len(ds) == 0:
             raise DatasetError(f"{path}: the split has no rows")
         if len(ds) > EVAL_OFFSET:
@@ -167,10 +209,10 @@ class DatasetTask(Task):
                             f"{self.path}[{self.eval_split}]", EVAL_OFFSET)
         else:
             held = [hash_unit(p.text, self.seed) < self.eval_fraction for p in train]
-            ev = [p for p, h in zip(train, held) if h]
+            rows, ev = train, [p for p, h in zip(train, held) if h]
             train = [p for p, h in zip(train, held) if not h]
-            if not train:
-                raise DatasetError(f"{self.path}: every row was held out; lower task.eval_fraction")
+            if not train or (self.eval_fraction > 0 and not ev):
+                raise DatasetError(self._split_problem(rows, bool(ev)))
         seen: dict[int, str] = {}
         for p in train + ev:
             where = f"{p.meta['file']} row {p.meta['row']}"
@@ -179,6 +221,25 @@ class DatasetTask(Task):
                                    "make the id column unique")
             seen[p.id] = where
         return train, ev
+
+    def _split_problem(self, rows: list[Prompt], held: bool) -> str:
+        """Why the ``eval_fraction`` hash split left one side empty (``held``: the rows all went to eval):
+        repeated prompts (a prompt's copies share one side, so few distinct prompts split coarsely) or the
+        fraction itself, and the fix."""
+        side = "held out (none left to train on)" if held else "kept for training (none held out)"
+        first: dict[str, int] = {}
+        for p in rows:
+            first.setdefault(p.text, p.meta["row"])
+        if len(first) < len(rows):
+            repeats = [p.meta["row"] for p in rows if first[p.text] != p.meta["row"]]
+            shown = ", ".join(map(str, repeats[:5])) + (", ..." if len(repeats) > 5 else "")
+            return (f"{self.path}: every row was {side} by task.eval_fraction {self.eval_fraction}: the {len(rows)} "
+                    f"rows hold only {len(first)} distinct prompts (rows {shown} repeat an earlier row's prompt), and "
+                    "the split keeps a prompt's copies on one side; remove the duplicate rows, or give the held-out "
+                    "rows in task.eval_path")
+        fix = "lower task.eval_fraction" if held else "raise task.eval_fraction"
+        return (f"{self.path}: every row was {side} by task.eval_fraction {self.eval_fraction} ({len(rows)} rows); "
+                f"{fix}, or give the held-out rows in task.eval_path")
 
     def verify(self, prompt: Prompt, completion: str) -> float:
         return self.verifier.score(completion, prompt.answer)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .base import Prompt, SFTExample, Task
 
-__all__ = ["REASONING_GYM_ID_BASE", "ReasoningGymReward", "ReasoningGymTask", "extract_rg_answer"]
+__all__ = ["REASONING_GYM_ID_BASE", "ReasoningGymConfigError", "ReasoningGymReward", "ReasoningGymTask", "extract_rg_answer"]
 
 REASONING_GYM_ID_BASE = 1_400_000_000
 _EVAL_OFFSET = 100_000_000
@@ -47,6 +47,45 @@ class ReasoningGymReward:
         return float(_score_fn(meta["source_dataset"])(extract_rg_answer(completion), entry))
 
 
+class ReasoningGymConfigError(ValueError):
+    """``task.datasets`` / ``task.config`` name no reasoning-gym dataset or option; the message names the key."""
+
+
+def _check_names(datasets: Mapping, config: Mapping, known: Mapping) -> None:
+    """Every ``datasets`` name is a reasoning-gym dataset, and every ``config`` entry is one of ``datasets``."""
+    import difflib
+
+    for n in datasets:
+        if n not in known:
+            close = difflib.get_close_matches(n, list(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ReasoningGymConfigError(f"config key 'task.datasets.{n}': no reasoning-gym dataset {n!r}; {hint}"
+                                          "reasoning_gym.factory.DATASETS lists them all")
+    for n in config:
+        if n not in datasets:
+            raise ReasoningGymConfigError(f"config key 'task.config.{n}': {n!r} has options but is not in "
+                                          f"task.datasets {sorted(datasets)}; add it there with a weight, or drop "
+                                          "its config entry")
+
+
+def _check_options(name: str, opts: dict, config_cls) -> None:
+    """``opts`` build ``config_cls`` (the dataset's config dataclass) and pass its own ``validate``."""
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    bad = [k for k in opts if k not in fields]
+    if bad:
+        raise ReasoningGymConfigError(f"config key 'task.config.{name}.{bad[0]}': {config_cls.__name__} has no option "
+                                      f"{bad[0]!r}; valid options: {', '.join(fields)}")
+    try:
+        cfg = config_cls(**opts)
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+    except (AssertionError, ValueError, TypeError) as e:
+        raise ReasoningGymConfigError(f"config key 'task.config.{name}': {config_cls.__name__} rejects {opts}: "
+                                      f"{' '.join(str(e).split()) or type(e).__name__}") from None
+
+
 class ReasoningGymTask(Task):
     """A reasoning-gym composite (see the module docstring).
 
@@ -65,10 +104,9 @@ class ReasoningGymTask(Task):
         from reasoning_gym.factory import DATASETS
 
         config = dict(config or {})
-        unknown = sorted(set(datasets) - set(DATASETS)) + sorted(set(config) - set(datasets))
-        if unknown:
-            raise ValueError(f"task.datasets / task.config: unknown reasoning-gym datasets {unknown} (e.g. "
-                             f"{sorted(DATASETS)[:8]}; reasoning_gym.factory.DATASETS lists them all)")
+        _check_names(datasets, config, DATASETS)
+        for n, opts in config.items():
+            _check_options(n, dict(opts), DATASETS[n][1])
         if size >= _EVAL_OFFSET or eval_size >= _EVAL_OFFSET:
             raise ValueError(f"task.size: at most {_EVAL_OFFSET - 1} prompts")
         self._rg = reasoning_gym

@@ -158,6 +158,16 @@ def _builtin(entry: Mapping, task: Task | None, key: str) -> tuple[Callable, str
     return fn, "thread", (-1.0, 0.0), False
 
 
+def _weight(entry: Mapping, key: str) -> float:
+    """``entry``'s weight (default 1.0); a ``ValueError`` naming ``rewards[i].weight`` unless a finite number."""
+    w = entry.get("weight", 1.0)
+    ok = isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+    if not ok:
+        raise ValueError(f"config key '{key}.weight': {w!r} is not a finite number; give a number such as "
+                         "weight: 0.5 (the total reward is the weighted sum)")
+    return float(w)
+
+
 def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout_s: float) -> list[RewardSpec]:
     """The :class:`RewardSpec` list of a config's ``rewards:``. When no ``accuracy`` entry is given, the
     verifier still runs with weight 0: it defines success. ``task`` None checks the entries only (ValueError
@@ -168,7 +178,7 @@ def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout
         if not isinstance(entry, Mapping) or ("function" in entry) == ("builtin" in entry):
             raise ValueError(f"config key '{key}': give exactly one of 'function: pkg.mod:name' or 'builtin: "
                              f"{' | '.join(BUILTINS)}'")
-        weight = float(entry.get("weight", 1.0))
+        weight = _weight(entry, key)
         if "function" in entry:
             extra = sorted(set(entry) - {"function", "weight", "name", "isolation"})
             if extra:

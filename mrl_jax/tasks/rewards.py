@@ -205,6 +205,7 @@ class RewardScorer:
         self._consecutive = [0] * len(specs)
         #: cumulative failure counts per function over the scorer's life: {name: {kind: count}}.
         self.totals = {s.name: dict.fromkeys(FAILURE_KINDS, 0) for s in specs}
+        self._pending: dict[str, tuple[dict, str]] = {}   # failures since the last take_failures()
         self._closed = False
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str],
@@ -251,6 +252,9 @@ class RewardScorer:
             self._consecutive[k] = tally.consecutive
             for kind, c in tally.counts.items():
                 self.totals[spec.name][kind] += c
+            if any(tally.counts.values()):
+                kinds, first = self._pending.get(spec.name, (dict.fromkeys(FAILURE_KINDS, 0), tally.samples[0]))
+                self._pending[spec.name] = ({k: kinds[k] + tally.counts[k] for k in FAILURE_KINDS}, first)
             per[:, k] = values
             pre = f"reward/{spec.name}/"
             col = per[:, k][~np.isnan(per[:, k])]
@@ -279,12 +283,19 @@ class RewardScorer:
         acc = [k for k, s in enumerate(self.specs) if s.success]
         return ScoreResult(rewards, per, stats, np.nan_to_num(per[:, acc[0]]) if acc else None)
 
+    def take_failures(self) -> dict[str, tuple[dict, str]]:
+        """``{function name: ({kind: count}, first failure message)}`` of the failed calls since the last
+        call (functions without failures left out); forgets them."""
+        out, self._pending = self._pending, {}
+        return out
+
     def _failure_message(self, spec: RewardSpec, tally: _Tally) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in tally.counts.items() if v)
         samples = "\n  ".join(tally.samples) or "(none kept)"
         return (
             f"reward function {spec.name!r} failed on {tally.consecutive} consecutive calls "
-            f"(max_consecutive_failures={self.max_consecutive_failures}); failures in this batch: {counts}. "
+            f"(limit {self.max_consecutive_failures}: config key max_reward_failures); failures in this batch: "
+            f"{counts}. "
             f"A reward must return a finite float in [{spec.low}, {spec.high}] within {spec.timeout_s} s. "
             f"First failures:\n  {samples}"
         )

@@ -43,6 +43,20 @@ def _check_matches(template: Any, restored: Any, where: Path) -> None:
                 "(its copy is config.json next to checkpoints/), or start a new --out directory.")
 
 
+def _reason(e: BaseException, limit: int = 400) -> str:
+    """The most specific message of an orbax / TensorStore failure, on one line: the innermost exception of the
+    chain (e.g. TensorStore's ``OUT_OF_RANGE: Error reading "<array>" ...``), without the TensorStore spec repr
+    orbax appends (``See full TensorStore details: <bound method ...>``)."""
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 16:
+        chain.append(nxt)
+    for x in reversed(chain):
+        msg = " ".join(str(x).split()).split(" See full TensorStore details")[0].strip()
+        if msg:
+            return f"{type(x).__name__}: {msg}"[:limit]
+    return type(e).__name__
+
+
 def _is_array_meta(m) -> bool:
     return hasattr(m, "shape") and hasattr(m, "dtype")
 
@@ -128,11 +142,11 @@ class RunCheckpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types; all mean "unusable"
-            msg = " ".join(str(e).split())[:400]
-            if "not compatible with the stored shape" in msg:   # onto shardings orbax checks shapes itself
+            msg, outer = _reason(e), " ".join(str(e).split()).lower()
+            if "not compatible with the stored shape" in outer:   # onto shardings orbax checks shapes itself
                 _check_against_saved(template, self._saved_shapes(step), where)
                 msg = "mismatch: " + msg
-            if "mismatch" in msg.lower() or "not found in metadata" in msg.lower():
+            if "mismatch" in msg.lower() or "mismatch" in outer or "not found in metadata" in outer:
                 raise CheckpointError(
                     f"checkpoint {where} does not match this run's config ({msg}). Resume with the config that "
                     "wrote it (its copy is config.json next to checkpoints/), or start a new --out directory.") from e
@@ -140,7 +154,7 @@ class RunCheckpointer:
             fix = (f"delete {where} to resume from the previous complete checkpoint (round {earlier[-1]})"
                    if earlier else "start a new --out directory (no earlier checkpoint is kept)")
             raise CheckpointError(
-                f"checkpoint {where} (round {step}) is incomplete or corrupted: {type(e).__name__}: {msg}. "
+                f"checkpoint {where} (round {step}) is incomplete or corrupted: {msg}. "
                 f"Fix: {fix}.") from e
         _check_matches(template, restored.state, where)
         return restored.state, dict(restored.meta)

@@ -295,6 +295,14 @@ class TaskSpec:
         check(self.size > 0, "size", f"must be > 0, got {self.size}")
         check(sum(x is not None for x in (self.eval_path, self.eval_split)) <= 1, "eval_path",
               "give eval_path or eval_split, not both")
+        for key in ("split", "eval_split", "eval_path"):
+            check(self.name == "dataset" or getattr(self, key) is None, key,
+                  f"only task 'dataset' reads it, this task is {self.name!r} (its held-out prompts are its own); "
+                  f"drop task.{key} or use name: dataset")
+        check(self.name != "dataset" or self.eval_path is not None or self.eval_split is not None
+              or self.eval_fraction > 0, "eval_fraction",
+              "0.0 with neither eval_path nor eval_split holds out no rows, so every held-out figure would be of "
+              "nothing; set it > 0 (e.g. 0.1), or give the held-out rows in task.eval_path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +405,9 @@ class RunConfig:
         default_factory=list,
         help="reward functions (TRL's reward_funcs + reward_weights): [{function: 'pkg.mod:name', weight, name, "
              "isolation: thread | process}, "
-             "{builtin: accuracy | format (pattern) | overlong (max_length, cache), weight, name}]; user functions "
+             "{builtin: accuracy | format (pattern; default TRL's think format "
+             "'<think>\\n.*?\\n</think>\\n<answer>\\n.*?\\n</answer>') | overlong (max_length, cache), weight, "
+             "name}]; user functions "
              "take TRL's (prompts, completions, completion_ids, **columns) and return floats or None; the total is "
              "the weighted sum. Empty = the task's verifier alone. A verified success (SEE, SGT's rescue set, "
              "success_rate) is the verifier's accuracy >= see.success_threshold, never the weighted sum "

@@ -29,6 +29,7 @@ differs only in a format bonus still has an advantage.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -42,6 +43,7 @@ from mrl_jax.rows import OWN, Rows
 from mrl_jax.trainer.encoding import encode_prompts
 
 PREFIX = "dynamic_sampling/"
+MAX_GEN_BATCHES = 64   # a round's cost bound: batches of P x G completions per policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,10 @@ class DynamicSamplingSpec:
     def __post_init__(self):
         check(self.max_num_gen_batches >= 1, "dynamic_sampling.max_num_gen_batches",
               f"must be >= 1 (1 = no oversampling), got {self.max_num_gen_batches}")
+        check(self.max_num_gen_batches <= MAX_GEN_BATCHES, "dynamic_sampling.max_num_gen_batches",
+              f"{self.max_num_gen_batches} is over {MAX_GEN_BATCHES}: each batch samples and scores prompts_per_round x "
+              "num_generations completions per policy, and a reward whose groups are all uniform makes every round "
+              f"draw them all (verl's default is 10); use at most {MAX_GEN_BATCHES}")
 
 
 # ----------------------------------------------------------------------------------------------- device
@@ -182,6 +188,9 @@ class Oversampler:
         batches, metas = [list(sampled)], [inputs]
         u = [useful(policies, sampled, tau)]
         while sum(int(x.sum()) for x in u) < P and len(batches) < self.max_num_gen_batches:
+            print(f"[dynamic sampling] round {inputs.index}: {sum(int(x.sum()) for x in u)} of {P} prompts useful "
+                  f"after {len(batches)} batch(es); drawing batch {len(batches) + 1} of at most "
+                  f"{self.max_num_gen_batches}", file=sys.stderr, flush=True)
             more = self.draw(len(batches))
             batches.append(sample(more))
             metas.append(more)
@@ -197,6 +206,11 @@ class Oversampler:
         out = []
         for pol, s in zip(policies, sampled):
             kept = ~degenerate(s.score.rewards, pol.num_generations)
+            if not kept.any():
+                print(f"mrl train: warning: dynamic sampling: round {inputs.index} kept 0 of {P} groups of policy "
+                      f"{pol.name!r} after {len(batches)} batch(es) (every group's rewards were equal), so its "
+                      "policy-gradient loss is empty this round; check that the reward separates completions, or "
+                      "raise dynamic_sampling.max_num_gen_batches", file=sys.stderr, flush=True)
             out.append(dataclasses.replace(s, score=s.score._replace(stats=dict(s.score.stats, **{
                 PREFIX + "kept_groups": float(kept.sum()), PREFIX + "generated_batches": float(len(batches)),
                 PREFIX + "drawn_prompts": float(P * len(batches))}))))

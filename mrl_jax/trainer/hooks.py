@@ -153,3 +153,18 @@ def eval_hook(run, log, num_prompts: int) -> Callable[[RoundInfo], None]:
 
 __all__ = ["CheckpointHook", "Hook", "LastInputs", "RoundInfo", "SkippedUpdatesStop", "TrainingStopped", "eval_hook",
            "log_hook"]
+
+
+def reward_failure_hook(scorer) -> Callable[[RoundInfo], None]:
+    """One stderr line per round whose reward calls failed (per function: count by kind, first message; a
+    failed call scores 0), so a run never trains on failing rewards in silence."""
+    import sys
+
+    def report(info: RoundInfo) -> None:
+        for name, (kinds, first) in scorer.take_failures().items():
+            counts = ", ".join(f"{k} {v}" for k, v in kinds.items() if v)
+            first = " ".join(str(first).split())[:300]
+            print(f"mrl train: warning: round {info.round}: reward {name!r} failed on {sum(kinds.values())} calls "
+                  f"({counts}; each scored 0); first: {first}", file=sys.stderr, flush=True)
+
+    return report

@@ -10,6 +10,7 @@ leaves either the checkpoint and every record of its round, or records that a re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -26,13 +27,14 @@ from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_r
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
 from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
-                                   log_hook)
+                                   log_hook, reward_failure_hook)
 from mrl_jax.trainer.metrics import RunLog
 from mrl_jax.trainer.memory import plan_memory
 from mrl_jax.trainer.placement import fetch, placement_summary
 from mrl_jax.trainer.policy import Policy, param_count
 from mrl_jax.trainer.round import RunState, run_round
 from mrl_jax.trainer.run import Run, build_task, task_corpus, text_budget
+from mrl_jax.trainer.run_lock import run_lock
 
 
 class Trainer:
@@ -122,11 +124,34 @@ def _check_config_changes(out: Path, cfg: RunConfig) -> None:
                 f"config key 'rounds': the run in {out} started with rounds: {a.get('rounds')}, this config has "
                 f"rounds: {b.get('rounds')}; {', '.join(decaying)} decays over the total steps, so resuming would "
                 f"change its learning-rate curve. Resume with rounds: {a.get('rounds')} (or start a new --out).")
-    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "rounds")
+    if a.get("num_generations") != b.get("num_generations"):
+        raise ConfigError(
+            f"config key 'num_generations': the run in {out} started with num_generations: "
+            f"{a.get('num_generations')}, this config has {b.get('num_generations')}; its groups, SEE records and "
+            f"metrics would mix two group sizes. Resume with num_generations: {a.get('num_generations')} (or start a "
+            "new --out).")
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if changed:
         diffs = "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
         print(f"mrl train: warning: resuming {out} with a config that differs from the one it started with "
               f"(config.json) in {diffs}", file=sys.stderr, flush=True)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``train``: the message names the round and the intact checkpoint to resume from."""
+
+
+def _interrupted(ckpt: RunCheckpointer, round_index: int) -> str:
+    """Drop the temporary folder of a checkpoint write the interrupt cut short (orbax renames a finished one);
+    the line naming the round and the checkpoint a resume starts from."""
+    import shutil
+
+    for tmp in ckpt.directory.glob("*.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = ckpt.latest_round()
+    kept = (f"the checkpoint of round {done} in {ckpt.directory} is intact (later rounds are redone)"
+            if done is not None else "no checkpoint was complete yet (a new run starts over)")
+    return f"interrupted in round {round_index}; {kept}"
 
 
 def _reward_scorer(run: Run, reward_specs: Sequence[RewardSpec] | None) -> RewardScorer:
@@ -208,6 +233,52 @@ def _show_warm_starts(run: Run) -> None:
               f"(lowest {f['loss_min']:.4f})", file=sys.stderr, flush=True)
 
 
+BEFORE = "before.json"
+
+
+def _before(run: Run, state: RunState, out: Path, start: int, primary: bool) -> dict | None:
+    """The sampled evaluation of the starting (warm) state, for before/after pass@k (``eval_samples`` > 0):
+    computed by a new run and written to ``before.json`` at once (atomically), read back by a resumed one."""
+    if not run.cfg.eval_samples:
+        return None
+    path = out / BEFORE
+    if start > 0:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            print(f"mrl train: warning: {path} is missing or unreadable, so summary.json has no 'before' (the "
+                  "starting state's evaluation is only computed by a new run)", file=sys.stderr, flush=True)
+            return None
+    before = run.evaluate(state, run.cfg.eval_prompts)
+    if primary:
+        tmp = path.with_name(BEFORE + ".tmp")
+        tmp.write_text(json.dumps(before, indent=2))
+        tmp.replace(path)
+    return before
+
+
+def _finished(cfg: RunConfig, out: Path, resume: bool) -> dict | None:
+    """``--resume`` of a run whose last round is checkpointed and whose summary.json is written: that summary,
+    with nothing in ``out`` touched (None: there is a round to train, or the summary to write)."""
+    if not resume or not (out / "checkpoints").is_dir():
+        return None
+    ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
+    try:
+        latest = ckpt.latest_round()
+    finally:
+        ckpt.close()
+    if latest is None or latest + 1 < cfg.rounds or not (out / "summary.json").is_file():
+        return None
+    _check_config_changes(out, cfg)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except ValueError:
+        return None
+    print(f"mrl train: {out} is complete (checkpoint of round {latest}, rounds: {cfg.rounds}); nothing to train, "
+          "its files are unchanged (raise rounds to train further)", file=sys.stderr, flush=True)
+    return summary
+
+
 def _summary(run: Run, state: RunState, start: int) -> dict:
     """summary.json: rounds, resume point, prompt counts, per policy params, final eval and placement."""
     cfg = run.cfg
@@ -229,12 +300,18 @@ def _summary(run: Run, state: RunState, start: int) -> dict:
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Task | None = None,
           reward_specs: Sequence[RewardSpec] | None = None, progress: bool = True) -> dict:
     """Run (or resume) an MRL run into ``out_dir``; returns the summary (also written as summary.json).
-    summary["compiles"]: the XLA programs this process built (``compile_stats.CompileCounter``)."""
-    with CompileCounter() as compiles:
-        summary = _train(cfg, Path(out_dir), resume, task, reward_specs, progress)
-    summary["compiles"] = compiles.summary()
-    if jax.process_index() == 0:   # multi-host: only process 0 writes logs, config, plan and summary
-        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["compiles"]: the XLA programs this process built (``compile_stats.CompileCounter``). The run
+    directory is locked (``run_lock``) for the whole call: a second ``train`` on it is refused, naming this PID."""
+    primary = jax.process_index() == 0   # multi-host: process 0 owns the directory (it alone writes there)
+    with run_lock(out_dir) if primary else contextlib.nullcontext():
+        done = _finished(cfg, Path(out_dir), resume)
+        if done is not None:
+            return done
+        with CompileCounter() as compiles:
+            summary = _train(cfg, Path(out_dir), resume, task, reward_specs, progress)
+        summary["compiles"] = compiles.summary()
+        if primary:   # multi-host: only process 0 writes logs, config, plan and summary
+            (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -264,18 +341,21 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
     r = start
-    # sampled evaluation of the starting (warm) state, for before/after pass@k (a resumed run has none)
-    before = run.evaluate(state, cfg.eval_prompts) if start == 0 and cfg.eval_samples else None
+    before = _before(run, state, out, start, primary)
     try:
         with _reward_scorer(run, reward_specs) as scorer:
             trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
             trainer.add_hook(log_hook(log))
+            if primary:
+                trainer.add_hook(reward_failure_hook(scorer))
             if cfg.eval_every:   # before the checkpoint: a run killed after it has logged the round's eval too
                 trainer.add_hook(eval_hook(run, log, cfg.eval_prompts), every=cfg.eval_every)
             trainer.add_hook(save, every=cfg.checkpoint_every, at_end=True)
             trainer.add_hook(stop)
             for info in trainer.rounds(state, start):
                 state, r = info.state, info.round + 1
+    except KeyboardInterrupt:
+        raise RunInterrupted(_interrupted(ckpt, r)) from None
     except RewardFailure as e:
         done = ckpt.latest_round()
         raise RewardFailure(
@@ -344,5 +424,5 @@ def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temp
     return out
 
 
-__all__ = ["ConfigError", "Run", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",
+__all__ = ["ConfigError", "Run", "RunInterrupted", "Trainer", "TrainingStopped", "build_task", "evaluate_from_yaml", "task_corpus",
            "text_budget", "train", "train_from_yaml"]

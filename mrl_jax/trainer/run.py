@@ -39,6 +39,13 @@ def build_task(cfg: RunConfig) -> Task:
     if t.name == "reverse":
         return StringTask("rev", seed=t.seed)
     if t.name == "dataset":
+        plain = Path(t.path).is_file()   # a file has one split; a save_to_disk directory may have several
+        for key in ("split", "eval_split"):
+            if plain and getattr(t, key) is not None:
+                raise ConfigError(f"config key 'task.{key}': {t.path} is a plain file, which has no splits (its rows "
+                                  f"are the training set); drop task.{key} and give held-out rows with "
+                                  "task.eval_path (another file) or task.eval_fraction, or point task.path at a "
+                                  "save_to_disk DatasetDict directory")
         try:
             task = DatasetTask(t.path, format=t.format, split=t.split, prompt_field=t.prompt_field,
                                answer_field=t.answer_field, id_field=t.id_field, eval_path=t.eval_path,
@@ -49,13 +56,27 @@ def build_task(cfg: RunConfig) -> Task:
         except DatasetError as e:
             raise ConfigError(f"config key 'task': {e}") from None
     if t.name == "reasoning_gym":
-        from mrl_jax.tasks.reasoning_gym import ReasoningGymTask
+        from mrl_jax.tasks.reasoning_gym import ReasoningGymConfigError, ReasoningGymTask
 
-        return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
+        try:
+            return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
+        except ReasoningGymConfigError as e:
+            raise ConfigError(str(e)) from None
     if not Path(t.path).is_file():
         raise ConfigError(f"config key 'task.path': {t.path} is not a file (missing, or a directory); give the "
                           ".jsonl file of {prompt, answer} lines")
     return JsonlTask(t.path, seed=t.seed)
+
+
+def _no_heldout(cfg: RunConfig) -> str:
+    """The error of a task that gave no held-out prompt: its held-out figures would be 0.0 of nothing."""
+    t = cfg.task
+    key, fix = {"dataset": ("task.eval_fraction", "raise task.eval_fraction, or give the held-out rows in "
+                                                  "task.eval_path (or task.eval_split of a directory)"),
+                "jsonl": ("task.path", "the file holds too few distinct prompts for its 10% hash split; add rows, "
+                                       "or use name: dataset with task.eval_path")}.get(t.name, ("task", "use another task"))
+    return (f"config key '{key}': the task {t.name!r} has no held-out prompts, so every evaluation would report "
+            f"success 0.0 of n 0; {fix}")
 
 
 def task_corpus(task: Task) -> list[str]:
@@ -113,6 +134,8 @@ class Run:
             self.policies.append(pol)
             self._weights.append(params)
         self._fit_prompts()
+        if not self.eval_prompts:
+            raise ConfigError(_no_heldout(cfg))
         self._text_bytes = text_budget(cfg.see.max_text_bytes, self.policies)
         self._abstract = [jax.eval_shape(lambda p, pol=pol: pol.init_state(p, p if holds_reference(pol.spec) else None),
                                          params) for pol, params in zip(self.policies, self._weights)]
