@@ -1,0 +1,78 @@
+"""Probes by import path (``probes: "pkg.mod:factory:k=v+sgt"``): the worked example (experiments/probes/hedge.py)
+is exactly the mix of ``none`` and ``xgrpo`` it documents, chains with built-ins, and every way a researcher's
+factory can go wrong is one line naming the spec (a ConfigError naming the config key in a run config)."""
+import jax
+import numpy as np
+import pytest
+
+from mrl_jax import probes
+from mrl_jax.configs import ConfigError
+from mrl_jax.trainer.config import PolicySpec
+from test_probes import _close, _grads, _make
+
+HEDGE = "experiments.probes.hedge:hedge"
+
+
+def _batch():
+    return _make([[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 0]])[:2]
+
+
+def test_hedge_is_the_documented_mix_of_none_and_xgrpo():
+    batch, view = _batch()
+    l0, g0, _ = _grads("none", batch, view)
+    l1, g1, _ = _grads("xgrpo", batch, view)
+    assert abs(float(l1) - float(l0)) > 1e-4   # the peers' groups move the pooled baseline
+    lz, gz, _ = _grads(f"{HEDGE}:lam=0.0", batch, view)
+    lo, go, _ = _grads(f"{HEDGE}:lam=1.0", batch, view)
+    lh, gh, m = _grads(f"{HEDGE}:lam=0.25", batch, view)
+    _close(gz, g0, rtol=1e-5, atol=1e-7)
+    _close(go, g1, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(lh), 0.75 * float(l0) + 0.25 * float(l1), rtol=1e-5)
+    _close(gh, jax.tree.map(lambda a, b: 0.75 * a + 0.25 * b, g0, g1), rtol=1e-4, atol=1e-7)
+    assert float(m["hedge/shift"]) > 0 and float(m["hedge/lam"]) == 0.25
+
+
+def test_an_external_probe_chains_with_builtins():
+    batch, view = _batch()
+    l_n, g_n, _ = _grads("none", batch, view)
+    l_s, g_s, _ = _grads("sgt", batch, view)
+    l_c, g_c, m = _grads("tests.probe_fixtures:scaled:factor=3.0+sgt", batch, view)
+    # scaled advantages triple the PG term; SGT adds its rescue term on top
+    np.testing.assert_allclose(float(l_c), 3 * float(l_n) + float(l_s - l_n), rtol=1e-5, atol=1e-6)
+    _close(g_c, jax.tree.map(lambda a, b: 3 * a + b - a, g_n, g_s), rtol=1e-4, atol=1e-6)
+    chain = probes.make_probe(f"{HEDGE}:lam=0.2+sgt:lam=0.3")
+    assert chain.name == "hedge+sgt" and chain.needs_peers
+    assert "sgt/rows_fired" in m
+
+
+def test_the_factory_gets_the_runs_options():
+    opts = probes.RunOptions(scale_rewards="batch", reward_eps=1e-3, tau=0.5)
+    assert probes.make_probe("tests.probe_fixtures:scaled", opts).options == opts
+    assert probes.make_probe("tests.probe_fixtures:scaled").options == probes.RunOptions()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("no_such_pkg.probes:hedge", ["cannot import 'no_such_pkg.probes'", "ModuleNotFoundError", "PYTHONPATH"]),
+    ("tests.probe_fixtures_broken:x", ["cannot import", "RuntimeError: this module is broken on import"]),
+    ("tests.probe_fixtures:missing", ["module 'tests.probe_fixtures' has no 'missing'"]),
+    ("tests.probe_fixtures:NOT_CALLABLE", ["is a int, not a probe factory"]),
+    ("tests.probe_fixtures:not_a_probe", ["returned a dict, not a mrl_jax.probes.Probe"]),
+    ("tests.probe_fixtures:scaled:gain=2", ["bad options", "unexpected keyword argument 'gain'",
+                                             "scaled(options: mrl_jax.probes._probe.RunOptions, factor: float = 2.0)"]),
+    (f"{HEDGE}:lam", ["must be key=value"]),
+    ("tests.probe_fixtures", ["is not 'package.module:factory[:key=value,...]'"]),
+    ("sgtx", ["unknown probe 'sgtx'", "by import path"]),
+])
+def test_bad_import_path_probes_are_one_line_errors(spec, words):
+    with pytest.raises(ValueError) as e:
+        probes.make_probe(spec + "+sgt")
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    with pytest.raises(ConfigError) as c:   # in a run config: the config key names where
+        PolicySpec(name="a", probes=spec)
+    assert str(c.value).startswith("config key 'probes': ") and "\n" not in str(c.value)
+
+
+def test_a_factory_that_rejects_a_value_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"config key 'probes'.*hedge: lam must be in \[0, 1\], got 2"):
+        PolicySpec(name="a", probes=f"{HEDGE}:lam=2")
