@@ -76,3 +76,29 @@ def test_bad_import_path_probes_are_one_line_errors(spec, words):
 def test_a_factory_that_rejects_a_value_is_a_config_error():
     with pytest.raises(ConfigError, match=r"config key 'probes'.*hedge: lam must be in \[0, 1\], got 2"):
         PolicySpec(name="a", probes=f"{HEDGE}:lam=2")
+
+
+# ----------------------------------------------------------------------------- on the bandit lab's plane
+
+def test_an_external_probe_is_placed_on_the_bandit_plane(tmp_path):
+    """Monte Carlo through the same objective: hedge at lam=1 trains exactly as the lab's xgrpo (same seeds), at
+    lam=0 as none (zero out-of-support gain); it has no closed form, so no exact column."""
+    from mrl_jax.bandit import env as E
+    from mrl_jax.bandit import lab
+    specs = (f"{HEDGE}:lam=0.0", f"{HEDGE}:lam=1.0", "none", "xgrpo")
+    cfg = lab.LabConfig(probes=specs, group_sizes=(2,), sigmas=(0.0,), headline_G=2, headline_sigma=0.0,
+                        steps=10, seeds=2, record_every=5, compile_mode="fast",
+                        env=E.EnvConfig(num_arms=4, policies=("tabular", "fourier")))
+    got = lab.run(str(tmp_path), config=cfg, verbose=False)["probes"]
+    for a, b in ((specs[0], "none"), (specs[1], "xgrpo")):
+        np.testing.assert_allclose(got[a]["final_reward"], got[b]["final_reward"], rtol=1e-6)
+        np.testing.assert_allclose(got[a]["support"], got[b]["support"], atol=1e-7)
+        assert got[a]["exact"] is False and "support_exact" not in got[a]
+    assert got["xgrpo"]["final_reward"] != got["none"]["final_reward"]
+    assert (tmp_path / "plane.png").stat().st_size > 100
+
+
+def test_the_bandit_lab_names_a_bad_probe_spec():
+    from mrl_jax.bandit import lab
+    with pytest.raises(ConfigError, match=r"config key 'probes': unknown bandit probe 'no_such\.mod:p'.*cannot import"):
+        lab.LabConfig(probes=("none", "no_such.mod:p"))
