@@ -102,3 +102,40 @@ def test_the_bandit_lab_names_a_bad_probe_spec():
     from mrl_jax.bandit import lab
     with pytest.raises(ConfigError, match=r"config key 'probes': unknown bandit probe 'no_such\.mod:p'.*cannot import"):
         lab.LabConfig(probes=("none", "no_such.mod:p"))
+
+
+# ----------------------------------------------------------------------------- end to end: `mrl train`
+
+OUTSIDE = '''
+from mrl_jax import probes
+
+def gentle_sgt(options, lam=0.05):
+    """A researcher's probe kept outside the repository: SGT with a small weight, under its own name."""
+    return probes.sgt(lam=lam, options=options)._replace(name="gentle_sgt")
+'''
+
+
+@pytest.mark.usefixtures("jax_compile_cache")
+def test_mrl_train_runs_the_worked_example_and_a_probe_from_outside_the_repo(tmp_path, monkeypatch):
+    import json
+
+    import yaml
+
+    from benchmarks import soak
+    from mrl_jax.cli import main
+
+    (tmp_path / "lab_probes_outside.py").write_text(OUTSIDE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = soak.tiny_config(rounds=2, **{"policies.0.probes": f"{HEDGE}:lam=0.5+sgt",
+                                         "policies.1.probes": "lab_probes_outside:gentle_sgt:lam=0.02+xgrpo"})
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    records = soak.training_records(out)
+    assert soak.contiguity_problems(records, ["llama_bpe", "gpt2_uni"], 2) == []
+    llama = [r for r in records if r["policy"] == "llama_bpe"]
+    gpt2 = [r for r in records if r["policy"] == "gpt2_uni"]
+    assert all(r["hedge/lam"] == 0.5 and "sgt/rows_fired" in r for r in llama)
+    assert all("sgt/rows_fired" in r and "xgrpo/peer_solved_frac" in r for r in gpt2)
