@@ -25,6 +25,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 QUICK_LOOK = ("rollout", "thl", "trl", "update")
+OWN_COMMAND = ("probes",)   # an hour-long comparison: `mrl bench probes` (or --only probes), not every `mrl bench`
 
 
 def available() -> list[str]:
@@ -127,9 +128,10 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     results: dict[str, dict] = {}
     from mrl_jax.progress import Progress
 
-    chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else names)
-    for name in sorted(set(names) - set(chosen)) if quick and not only else ():
-        results[name] = {"skipped": "full run only: `mrl bench` without --quick, or --only " + name}
+    chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else [n for n in names if n not in OWN_COMMAND])
+    for name in sorted(set(names) - set(chosen)) if not only else ():
+        results[name] = ({"skipped": f"its own command: `mrl bench {name}`, or --only {name}"} if name in OWN_COMMAND
+                         else {"skipped": "full run only: `mrl bench` without --quick, or --only " + name})
     # no background refresh of the live line while benchmarks time things: it updates between benchmarks only
     bar = Progress(len(chosen), title="bench", unit="benchmark", auto_refresh=False)
     for name in chosen:
