@@ -34,8 +34,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-if __package__ in (None, ""):   # run as a script: the repository root (mrl_jax, experiments) on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:   # the checkout's mrl_jax (as a script) and experiments.probes (the worked example)
+    sys.path.insert(0, REPO)
 
 DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "xgrpo+sgt", "sgt+replay", "experiments.probes.hedge:hedge:lam=0.5")
 QUICK_PROBES = ("none", "xgrpo+sgt")
