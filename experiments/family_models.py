@@ -5,8 +5,9 @@ template, for experiments/configs/families.yaml (and the export tests):
            with Qwen3's ``enable_thinking`` switch
   gemma3/  Gemma3ForCausalLM (text), a SentencePiece-style (metaspace, byte fallback) BPE, <start_of_turn> /
            <end_of_turn> turns
-  phi3/    Phi3ForCausalLM (fused qkv / gate_up, partial rotary), the real Phi-3-mini tokenizer
-           (../shared/tokenizers/phi-3-mini), <|user|> ... <|end|> turns
+  phi3/    Phi3ForCausalLM (fused qkv / gate_up, partial rotary), a Phi-3-style tokenizer trained here
+           (SentencePiece-style BPE with byte fallback, Phi-3's control tokens and chat template: <|user|> ...
+           <|end|> turns), or the real Phi-3-mini tokenizer with ``--phi3-tokenizer DIR``
 
     python experiments/family_models.py runs/family_models     # then
     mrl train --config experiments/configs/families.yaml --out runs/families
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -27,9 +27,6 @@ from mrl_jax.tokenization import load_tokenizer, train_tokenizer
 from mrl_jax.trainer.run import task_corpus
 from mrl_jax.tasks import default_mixture
 
-SHARED_TOKENIZERS = Path(os.environ.get("MRL_SHARED_TOKENIZERS", Path(__file__).resolve().parents[2] / "shared" /
-                                        "tokenizers"))
-
 QWEN3_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -37,6 +34,12 @@ QWEN3_TEMPLATE = (
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
     "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+PHI3_TEMPLATE = (   # Phi-3-mini's chat template, as released
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+PHI3_SPECIALS = ["<s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
 
 # hidden 64, 2 layers: the shapes of the llama policies of the other experiment configs
 SHAPES = {
@@ -70,10 +73,9 @@ def _save_model(family: str, vocab: int, folder: Path, seed: int, **ids) -> None
 
 
 def build(out: str | Path, seed: int = 0, phi3_tokenizer: str | Path | None = None) -> dict[str, Path]:
-    """Write the three directories under ``out``; returns {name: directory}. ``phi3_tokenizer``: the Phi-3-mini
-    tokenizer folder (default ``$MRL_SHARED_TOKENIZERS/phi-3-mini``, else ../shared/tokenizers/phi-3-mini)."""
+    """Write the three directories under ``out``; returns {name: directory}. ``phi3_tokenizer``: a folder with
+    the real Phi-3-mini tokenizer (tokenizer.json + tokenizer_config.json); None = train a Phi-3-style one."""
     out = Path(out)
-    phi3_tok = Path(phi3_tokenizer) if phi3_tokenizer else SHARED_TOKENIZERS / "phi-3-mini"
     corpus = task_corpus(default_mixture(0, num_facts=32))
     dirs = {"qwen3": out / "qwen3", "gemma3": out / "gemma3", "phi3": out / "phi3"}
 
@@ -87,8 +89,16 @@ def build(out: str | Path, seed: int = 0, phi3_tokenizer: str | Path | None = No
     _save_model("gemma3_text", vocab, dirs["gemma3"], seed + 1, bos_token_id=ids["<bos>"],
                 eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"])
 
+    if phi3_tokenizer is None:
+        ids, vocab = _trained_tokenizer("metaspace_bpe", corpus, PHI3_SPECIALS, "<s>", "<|endoftext|>",
+                                        "<|endoftext|>", PHI3_TEMPLATE, dirs["phi3"])
+        _save_model("phi3", vocab, dirs["phi3"], seed + 2, bos_token_id=ids["<s>"],
+                    eos_token_id=[ids["<|endoftext|>"], ids["<|end|>"]], pad_token_id=ids["<|endoftext|>"])
+        return dirs
+    phi3_tok = Path(phi3_tokenizer)
     if not (phi3_tok / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{phi3_tok}: the Phi-3-mini tokenizer fixture is missing (set MRL_SHARED_TOKENIZERS)")
+        raise FileNotFoundError(f"{phi3_tok}: no tokenizer.json (--phi3-tokenizer names the folder of the "
+                                "Phi-3-mini tokenizer; leave it out to train a Phi-3-style one)")
     dirs["phi3"].mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(phi3_tok / f, dirs["phi3"] / f)
@@ -103,8 +113,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", default="runs/family_models", help="output directory")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phi3-tokenizer", default=None, metavar="DIR",
+                    help="folder of the real Phi-3-mini tokenizer (default: train a Phi-3-style tokenizer)")
     args = ap.parse_args(argv)
-    for name, path in build(args.out, args.seed).items():
+    for name, path in build(args.out, args.seed, args.phi3_tokenizer).items():
         print(f"{name}: {path}")
 
 

@@ -4,6 +4,10 @@ Each ``benchmarks/bench_<name>.py`` exposes ``run(quick: bool) -> dict``; the ha
 ``only``), keeps going when one fails (its error is recorded), and returns ``{"benchmarks": {name: figures}}``
 plus the machine and library versions. The scripts live in the source checkout, not in the wheel.
 
+``mrl bench probes [--quick] --probes SPEC,... --out DIR`` is the probe comparison
+(``benchmarks/bench_probes.py``, :func:`run_probes`): every probe on the same work, with its run directories,
+PROBES.md, probes.json and figures in DIR.
+
 ``--quick`` is a quick look (a few minutes on 2 cores): the :data:`QUICK_LOOK` benchmarks with their quick
 settings, one figure each for the sampler, the update, THL and the TRL comparison; the multi-policy and
 multi-device ones (placement, MWRA, scaling) compile several policies or device counts and run with the full
@@ -14,12 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+import sys
 import time
 import traceback
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 QUICK_LOOK = ("rollout", "thl", "trl", "update")
+OWN_COMMAND = ("probes",)   # an hour-long comparison: `mrl bench probes` (or --only probes), not every `mrl bench`
 
 
 def available() -> list[str]:
@@ -31,6 +37,7 @@ def _load(name: str):
     path = BENCH_DIR / f"bench_{name}.py"
     spec = importlib.util.spec_from_file_location(f"mrl_benchmarks.{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses (and pickling) look their module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -121,9 +128,10 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     results: dict[str, dict] = {}
     from mrl_jax.progress import Progress
 
-    chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else names)
-    for name in sorted(set(names) - set(chosen)) if quick and not only else ():
-        results[name] = {"skipped": "full run only: `mrl bench` without --quick, or --only " + name}
+    chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else [n for n in names if n not in OWN_COMMAND])
+    for name in sorted(set(names) - set(chosen)) if not only else ():
+        results[name] = ({"skipped": f"its own command: `mrl bench {name}`, or --only {name}"} if name in OWN_COMMAND
+                         else {"skipped": "full run only: `mrl bench` without --quick, or --only " + name})
     # no background refresh of the live line while benchmarks time things: it updates between benchmarks only
     bar = Progress(len(chosen), title="bench", unit="benchmark", auto_refresh=False)
     for name in chosen:
@@ -139,3 +147,12 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     bar.close()
     contended = any(r.get("contended") for r in results.values())
     return {"quick": quick, "contended": contended, "environment": environment(), "benchmarks": results}
+
+
+def run_probes(out_dir: str | Path, *, quick: bool = False, probes: list[str] | None = None) -> dict:
+    """``mrl bench probes``: ``benchmarks/bench_probes.py``'s comparison into ``out_dir``; returns its headline
+    (per probe: average held-out reward@1, its paired difference from ``none``, the bandit support)."""
+    if not (BENCH_DIR / "bench_probes.py").is_file():
+        raise FileNotFoundError(f"{BENCH_DIR / 'bench_probes.py'} not found; run `mrl bench probes` from a source "
+                                "checkout installed with `pip install -e .`.")
+    return _load("probes").run(quick=quick, probes=probes, out=str(out_dir))

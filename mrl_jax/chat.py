@@ -30,8 +30,8 @@ from typing import Sequence
 
 from mrl_jax.tokenization import Tokenizer
 
-__all__ = ["ChatTemplateError", "PromptFormat", "TURN_END_TOKENS", "as_prompt_format", "read_chat_template", "stop_ids",
-           "tokenizer_folder"]
+__all__ = ["ChatDependencyError", "ChatTemplateError", "PromptFormat", "TURN_END_TOKENS", "as_prompt_format",
+           "read_chat_template", "stop_ids", "tokenizer_folder"]
 
 # the token ending an assistant turn: ChatML (Qwen), Gemma, Phi-3 / Phi-4, Llama 3
 TURN_END_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|end|>", "<|eot_id|>")
@@ -41,6 +41,10 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 class ChatTemplateError(ValueError):
     """A chat format was asked of a tokenizer folder that has no chat template (message names file and key)."""
+
+
+class ChatDependencyError(ValueError):
+    """Rendering a chat template needs a package that is not installed (jinja2): the template is not at fault."""
 
 
 def _read_json(path: Path) -> dict:
@@ -109,19 +113,32 @@ class _ChatRenderer:
         ChatML ``<|im_end|>``), or None (no such token, or the template renders no assistant turn)."""
         hf, mark = self._tokenizer(), "\u2063mrl\u2063"
         try:
-            text = hf.apply_chat_template(self.messages("x") + [{"role": "assistant", "content": mark}],
-                                          tokenize=False)
+            text = self._apply(hf, self.messages("x") + [{"role": "assistant", "content": mark}])
+        except ChatDependencyError:
+            raise
         except Exception:  # noqa: BLE001 -- a template that refuses this conversation names no end-of-turn
             return None
         tail = text.split(mark, 1)[1] if mark in text else ""
         specials = [t.content for t in hf.added_tokens_decoder.values() if t.special]
         return next((t for t in sorted(specials, key=len, reverse=True) if tail.startswith(t)), None)
 
+    def _apply(self, hf, messages: list[dict], **kwargs) -> str:
+        """``apply_chat_template`` as text; ChatDependencyError when transformers cannot render (no jinja2)."""
+        try:
+            return hf.apply_chat_template(messages, tokenize=False, **kwargs)
+        except ImportError as e:
+            raise ChatDependencyError(
+                f"{self.folder / 'tokenizer_config.json'}: prompt_format: chat renders the chat template with jinja2, "
+                f"which is missing ({type(e).__name__}: {e}); pip install 'jinja2>=3.1.6' (an mrl-jax dependency: "
+                "pip install -e . installs it)") from None
+
     def render(self, texts: Sequence[str]) -> list[str]:
         hf = self._tokenizer()
         try:
-            return [hf.apply_chat_template(self.messages(t), add_generation_prompt=True, tokenize=False,
-                                           **self.template_kwargs) for t in texts]
+            return [self._apply(hf, self.messages(t), add_generation_prompt=True, **self.template_kwargs)
+                    for t in texts]
+        except ChatDependencyError:
+            raise
         except Exception as e:  # jinja2 raises TemplateError subclasses (e.g. "System role not supported")
             raise ValueError(f"{self.folder / 'tokenizer_config.json'}: rendering its 'chat_template' failed "
                              f"({type(e).__name__}: {e}); drop system_prompt or fix the template") from e

@@ -104,7 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     bandit.add_argument("--quick", action="store_true", help="small settings, under a minute on CPU")
     bandit.add_argument("--seed", type=int, default=0, help="base random seed")
 
-    bench = sub.add_parser("bench", help="benchmarks of every piece (see benchmarks/RESULTS.md)")
+    bench = sub.add_parser("bench", help="benchmarks of every piece (see benchmarks/RESULTS.md); `mrl bench probes`: "
+                           "the probe comparison (benchmarks/bench_probes.py)")
+    bench.add_argument("which", nargs="?", choices=["probes"], default=None,
+                       help="probes: compare probes on the same work (PROBES.md, probes.json, figures in --out)")
+    bench.add_argument("--probes", default=None, help="with `probes`: comma-separated probe specs (built-ins, chains, "
+                       "pkg.mod:factory[:k=v]); default: the built-ins, their chains and the worked example")
     _add_out(bench)
     bench.add_argument("--quick", action="store_true", help="small shapes, a couple of minutes on CPU")
     bench.add_argument("--only", default=None, help="comma-separated subset of benchmarks to run")
@@ -184,8 +189,10 @@ def _bandit(args) -> dict:
 
 
 def _bench(args) -> dict:
-    from mrl_jax.bench import run_benchmarks
+    from mrl_jax.bench import run_benchmarks, run_probes
 
+    if args.which == "probes":
+        return run_probes(args.out, quick=args.quick, probes=args.probes.split(",") if args.probes else None)
     only = args.only.split(",") if args.only else None
     return run_benchmarks(args.out, quick=args.quick, only=only, wait_idle_s=args.wait_idle, idle_load=args.idle_load)
 

@@ -24,7 +24,8 @@ class LabConfig:
     """One analysis run (every field documented; ``mrl_jax.configs.load_yaml(LabConfig, path)``)."""
 
     env: E.EnvConfig = field(default_factory=E.EnvConfig, help="the bandit and its policies")
-    probes: tuple[str, ...] = field(LP.DEFAULT_PROBES, help="lab probe names (see mrl_jax.bandit.lab_probes.LAB_PROBES)")
+    probes: tuple[str, ...] = field(LP.DEFAULT_PROBES, help="lab probe names (see mrl_jax.bandit.lab_probes.LAB_PROBES) or "
+                                                 "probe specs (e.g. 'pkg.mod:hedge:lam=0.2+sgt'; Monte Carlo only)")
     group_sizes: tuple[int, ...] = field((2, 4, 8), help="G values; each runs at the headline sigma")
     sigmas: tuple[float, ...] = field((0.0, 0.5, 1.0, 2.0), help="THL residual levels (std of the log-ratio noise, nats); "
                                                      "each runs at the headline G")
@@ -42,7 +43,10 @@ class LabConfig:
 
     def __post_init__(self):
         for p in self.probes:
-            check(p in LP.LAB_PROBES, "probes", f"unknown probe {p!r}; known: {sorted(LP.LAB_PROBES)}")
+            try:
+                LP.get(p)
+            except ValueError as e:
+                check(False, "probes", str(e))
         check(self.headline_G in self.group_sizes, "headline_G", "must be one of group_sizes")
         check(self.headline_sigma in self.sigmas, "headline_sigma", "must be one of sigmas")
         check(all(g >= 1 for g in self.group_sizes), "group_sizes", "must be >= 1")

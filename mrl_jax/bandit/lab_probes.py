@@ -2,6 +2,9 @@
 
 A ``LabProbe`` names one configuration and records its options, so the sampled update (``updates``) runs the
 very ``Probe`` objects the LLM learner runs, and the exact expectation (``exact``) reads the same options.
+Any other probe -- a built-in chain or a researcher's factory by import path (``"pkg.mod:hedge:lam=0.2+sgt"``) --
+is a ``LabProbe`` with ``spec`` set (``get``): built by ``make_probe``, measured by Monte Carlo only (no closed
+form), at every THL residual level (its use of the density ratio is unknown).
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ class LabProbe:
     sgt_gate: bool = False
     sgt_always: bool = False
     delta: float = 0.8
+    spec: Optional[str] = None
 
     def build(self) -> P.Probe:
         """The library probe chain this spec stands for."""
+        if self.spec is not None:
+            return P.make_probe(self.spec)
         parts = []
         if self.pooled and not self.prp:
             parts.append(P.xgrpo())
@@ -45,18 +51,19 @@ class LabProbe:
 
     @property
     def uses_peers(self) -> bool:
-        return self.prp or self.sgt
+        return self.build().needs_peers if self.spec is not None else self.prp or self.sgt
 
     @property
     def uses_ratio(self) -> bool:
-        """Whether the THL residual (noisy density ratio) can change this probe's update."""
-        return self.prp or (self.sgt and self.sgt_gate)
+        """Whether the THL residual (noisy density ratio) can change this probe's update (a ``spec`` probe: assumed)."""
+        return self.spec is not None or self.prp or (self.sgt and self.sgt_gate)
 
     @property
     def exact(self) -> bool:
         """Whether ``exact.expected_coefficients`` gives this probe's expectation in closed form (the
-        gated PRP's random row-count denominator couples every peer row; it is measured by Monte Carlo)."""
-        return not (self.prp and self.prp_gate)
+        gated PRP's random row-count denominator couples every peer row, and a ``spec`` probe has none derived:
+        both are measured by Monte Carlo)."""
+        return self.spec is None and not (self.prp and self.prp_gate)
 
 
 LAB_PROBES: dict[str, LabProbe] = {
@@ -76,8 +83,14 @@ DEFAULT_PROBES = ("none", "xgrpo", "prp", "prp_shaping", "prp_gate", "sgt", "sgt
 
 
 def get(name_or_spec, **overrides) -> LabProbe:
-    """A LabProbe by name (``LAB_PROBES``) with optional field overrides, or the spec itself."""
+    """A LabProbe by name (``LAB_PROBES``) with optional field overrides, the LabProbe itself, or any other
+    ``make_probe`` spec (a chain of built-ins, a factory by import path) as a Monte Carlo ``LabProbe``."""
     spec: Optional[LabProbe] = name_or_spec if isinstance(name_or_spec, LabProbe) else LAB_PROBES.get(name_or_spec)
     if spec is None:
-        raise ValueError(f"unknown bandit probe {name_or_spec!r}; known: {sorted(LAB_PROBES)}")
+        try:
+            P.make_probe(name_or_spec)
+        except ValueError as e:
+            raise ValueError(f"unknown bandit probe {name_or_spec!r}: not a lab probe ({sorted(LAB_PROBES)}) nor a "
+                             f"probe spec ({e})") from None
+        spec = LabProbe(str(name_or_spec), spec=str(name_or_spec))
     return dataclasses.replace(spec, **overrides) if overrides else spec

@@ -1,9 +1,13 @@
 """Probe specs: the registry of probe constructors, spec strings (``"xgrpo+sgt:lam=0.3"``, ``"none|sgt"``) built
-with the run's options, and ``switch`` (one compiled update over several chains)."""
+with the run's options, probes by import path (``"my_pkg.probes:hedge:lam=0.2+sgt"``: a factory
+``fn(options: RunOptions, **kwargs) -> Probe``, as reward functions load), and ``switch`` (one compiled update
+over several chains)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
@@ -32,11 +36,69 @@ def _split_spec(part: str, *, strict: bool) -> tuple[str, dict[str, Any]]:
     return name.strip().lower(), kwargs
 
 
+def import_path(part: str) -> Optional[tuple[str, str, str]]:
+    """``"pkg.mod:fn:lam=0.2"`` -> ``("pkg.mod", "fn", "lam=0.2")`` when ``part`` names a probe factory by
+    import path (a dotted module, or a second field that is a name rather than ``key=value``), else None."""
+    head, sep, rest = part.strip().partition(":")
+    if head.strip().lower() in REGISTRY:
+        return None
+    attr, _, opts = rest.partition(":")
+    if "." in head or (sep and attr.strip() and "=" not in attr):
+        return head.strip(), attr.strip(), opts
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def load_factory(module: str, attr: str, spec: str) -> Callable[..., Probe]:
+    """The callable ``module:attr`` (dotted attributes allowed); ValueError (one line, naming ``spec``) when it
+    does not import, is missing or is not callable."""
+    if not module or not attr:
+        raise ValueError(f"probe {spec!r} is not 'package.module:factory[:key=value,...]'")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 -- ImportError and whatever the module raises on import
+        raise ValueError(f"probe {spec!r}: cannot import {module!r} ({_one_line(e)}); put it on PYTHONPATH or "
+                         "install it") from None
+    for name in attr.split("."):
+        if not hasattr(obj, name):
+            raise ValueError(f"probe {spec!r}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, name)
+    if not callable(obj):
+        raise ValueError(f"probe {spec!r}: {module}:{attr} is a {type(obj).__name__}, not a probe factory "
+                         "fn(options, **kwargs) -> Probe")
+    return obj
+
+
+def _external(spec: str, path: tuple[str, str, str], options: Optional[RunOptions]) -> Probe:
+    """A researcher's probe: ``factory(options=<the run's RunOptions>, **options from the spec)``."""
+    module, attr, opts = path
+    _, kwargs = _split_spec("x:" + opts, strict=True)
+    factory = load_factory(module, attr, spec.strip())
+    try:
+        probe = factory(options=RunOptions() if options is None else options, **kwargs)
+    except TypeError as e:
+        try:
+            sig = f"{attr}{inspect.signature(factory)}"
+        except (TypeError, ValueError):
+            sig = attr
+        raise ValueError(f"bad options for probe {spec.strip()!r} ({_one_line(e)}); the factory is {sig}") from None
+    if not isinstance(probe, Probe):
+        raise ValueError(f"probe {spec.strip()!r}: {module}:{attr} returned a {type(probe).__name__}, not a "
+                         "mrl_jax.probes.Probe (return Probe(name, extend, advantages, loss_terms, ..., options=options))")
+    return probe
+
+
 def _parse_one(spec: str, options: Optional[RunOptions]) -> Probe:
+    path = import_path(spec)
+    if path is not None:
+        return _external(spec, path, options)
     name, kwargs = _split_spec(spec, strict=True)
     if name not in REGISTRY:
-        raise ValueError(f"unknown probe {name!r}; known: {sorted(REGISTRY)} (combine with '+', "
-                         f"options as 'sgt:lam=0.3,tau=1.0')")
+        raise ValueError(f"unknown probe {name!r}; known: {sorted(REGISTRY)} or a factory by import path "
+                         "'package.module:factory[:key=value]' (combine with '+', options as 'sgt:lam=0.3,tau=1.0')")
     try:
         return REGISTRY[name](options=options, **kwargs)
     except TypeError as e:
@@ -45,8 +107,9 @@ def _parse_one(spec: str, options: Optional[RunOptions]) -> Probe:
 
 def make_probe(spec: Union[str, Probe, Sequence[Union[str, Probe]], None],
                options: Optional[RunOptions] = None) -> Probe:
-    """Build a probe chain from "none" | "xgrpo" | "prp" | "sgt" | "xgrpo+sgt" | "sgt:lam=0.3" | a list |
-    a Probe; "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index).
+    """Build a probe chain from "none" | "xgrpo" | "prp" | "sgt" | "xgrpo+sgt" | "sgt:lam=0.3" |
+    "pkg.mod:factory:lam=0.2+sgt" (a factory by import path, see ``import_path``) | a list | a Probe;
+    "none|xgrpo|prp|sgt" builds a ``switch`` (one compile, chain picked by probe_index).
     options: the run's options, bound into every probe here (``RunOptions.of(grpo_config, tau)``); an explicit
     probe option that contradicts them is a ValueError naming both keys. A ``Probe`` passes through as built."""
     if spec is None:

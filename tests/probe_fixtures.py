@@ -1,0 +1,18 @@
+"""Probe factories that tests name by import path (``tests.probe_fixtures:...``): a working one and the ways
+a researcher's factory goes wrong."""
+import jax.numpy as jnp
+
+from mrl_jax.probes import Probe, RunOptions
+
+NOT_CALLABLE = 3
+
+
+def scaled(options: RunOptions, factor: float = 2.0) -> Probe:
+    """Every advantage times ``factor`` (the PG loss and gradient scale by it exactly)."""
+    return Probe(f"scaled{factor:g}", advantages=lambda rewards, rows, view, adv: adv * jnp.float32(factor),
+                 options=options)
+
+
+def not_a_probe(options: RunOptions) -> dict:
+    return {"name": "scaled"}
+

@@ -1,0 +1,83 @@
+"""`mrl bench probes`: the quick comparison writes every section, its cells are reused, a killed cell reruns, a
+bad spec is one line before any training; the paired statistics are Student's t."""
+import json
+import math
+
+import pytest
+
+from benchmarks import bench_probes as B
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+HEDGE = "experiments.probes.hedge:hedge:lam=0.5+sgt"
+
+
+def test_paired_difference_is_students_t():
+    d = B.paired([1.0, 2.0, 3.0], [0.0, 0.0, 1.0])           # differences 1, 2, 2
+    assert d["mean"] == pytest.approx(5 / 3) and d["se"] == pytest.approx(1 / 3)
+    assert d["t"] == pytest.approx(5.0)
+    assert d["p"] == pytest.approx(1 - 5 / math.sqrt(27))    # two-sided, 2 degrees of freedom (closed form)
+    assert B.paired([1.0], [0.5]) == {"mean": 0.5, "se": None, "n": 1, "t": None, "p": None}
+
+
+@pytest.mark.slow
+def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import mrl_jax.trainer
+    from mrl_jax.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "probes", "--quick", "--probes", f"none,{HEDGE}", "--out", str(out)]) == 0
+    res = json.loads((out / "probes.json").read_text())
+    s = res["settings"]
+    assert res["probes_run"] == ["none", HEDGE] and s["seeds"] == 1
+    names = res["policies"]
+    for p in ("none", HEDGE):
+        e = res["probes"][p]
+        for n in names + ["average"]:
+            assert len(e["curves"][n]["mean"]) == s["rounds"] + 1        # warm start, then every round
+        for n in names:
+            for k in ("own_facts", "foreign_facts", "copy", "pass@1", "kl", "grad_norm_spread", "skipped_updates",
+                      "s_per_round/update", "rows_computed"):
+                assert e["figures"][f"{n}/{k}"]["mean"] is not None, (p, n, k)
+        assert 0.0 <= res["bandit"][p]["support"] <= 1.0
+    assert "vs_none" not in res["probes"]["none"]
+    assert res["probes"][HEDGE]["vs_none"]["average/reward_at_1_final"]["n"] == 1
+    assert res["bandit"]["none"]["support"] == 0.0 and res["bandit"]["none"]["exact"] is True
+    assert res["bandit"][HEDGE]["exact"] is False
+    md = (out / "PROBES.md").read_text()
+    for section in ("reward@1", "Final skills", "pass@k", "Stability", "Cost", "bandit lab"):
+        assert section in md
+    for f in ("reward_at_1.png", "skills.png", "bandit/plane.png"):
+        assert (out / f).stat().st_size > 1000
+    cells = sorted((out / "cells").glob("*/seed0"))
+    assert len(cells) == 2 and all((c / "summary.json").is_file() for c in cells)
+    stamps = {c: (c / "summary.json").stat().st_mtime_ns for c in cells}
+
+    # a killed cell (no summary.json, a half-written file) is deleted and trained again from its start; a
+    # finished one is skipped (the training is the trainer's, stood in for here by the first run's files)
+    killed = out / "cells" / B.slug(HEDGE) / "seed0"
+    saved = tmp_path / "saved"
+    shutil.copytree(killed, saved)
+    (killed / "summary.json").unlink()
+    (killed / "junk.tmp").write_text("half written")
+    calls = []
+
+    def fake_train(cfg, cell, **kw):
+        calls.append((cfg.policies[0].probes, sorted(p.name for p in cell.iterdir())))
+        for f in saved.iterdir():
+            if f.name != "cell.json":
+                (shutil.copytree if f.is_dir() else shutil.copy)(f, cell / f.name)
+
+    monkeypatch.setattr(mrl_jax.trainer, "train", fake_train)
+    again = B.compare(out, ["none", HEDGE], quick=True, verbose=False)
+    assert calls == [(HEDGE, ["cell.json"])]            # only the killed cell, in a fresh directory
+    assert (out / "cells" / "none" / "seed0" / "summary.json").stat().st_mtime_ns == stamps[out / "cells" / "none" / "seed0"]
+    assert not (killed / "junk.tmp").exists()
+    assert again["probes"] == res["probes"]
+    monkeypatch.undo()
+
+    capsys.readouterr()
+    assert main(["bench", "probes", "--quick", "--probes", "none,no_such.mod:p", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mrl bench: config error: --probes: probe 'no_such.mod:p': cannot import") and "\n" not in err
