@@ -368,3 +368,17 @@ def test_ctrl_c_inside_a_checkpoint_write_is_one_line_with_the_resume_command(tm
     assert err[-1] == (f"mrl train: interrupted in round 1; the checkpoint of round 0 in {out / 'checkpoints'} is "
                        "intact (later rounds are redone); resume with: mrl " + " ".join(argv + ["--resume"]))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]   # no stale *.orbax-checkpoint-tmp
+
+
+def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
+    """Process 0 of 2 alone: JAX would abort (exit 134, a C++ trace) at its start-up limit; the run exits 2 first."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), MRL_INIT_TIMEOUT_S="2", JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", "mrl_jax.cli", "train", "--config", str(_config(tmp_path)), "--out",
+            str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            "--process-id", "0"]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and "Check failure" not in res.stderr, res.stderr
+    assert lines[0].startswith("waiting for coordinator 127.0.0.1:") and lines[0].endswith("(process 0 of 2, timeout 2 s)")
+    assert lines[-1].startswith("mrl train: --coordinator 127.0.0.1:") and "did not all join within 2 s" in lines[-1]
+    assert "--num-processes" in lines[-1] and len(lines) == 2, lines
