@@ -382,3 +382,30 @@ def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
     assert lines[0].startswith("waiting for coordinator 127.0.0.1:") and lines[0].endswith("(process 0 of 2, timeout 2 s)")
     assert lines[-1].startswith("mrl train: --coordinator 127.0.0.1:") and "did not all join within 2 s" in lines[-1]
     assert "--num-processes" in lines[-1] and len(lines) == 2, lines
+
+
+def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
+    """SIGINT (what Ctrl-C sends to the process group) mid-run: exit 130, no traceback, no temp folder, and the
+    line's command resumes."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    argv = ["train", "--config", str(_config(tmp_path, rounds=200)), "--out", str(out)]
+    child = subprocess.Popen([sys.executable, "-m", "mrl_jax.cli", *argv], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "1").is_dir() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.2)
+        os.killpg(child.pid, signal.SIGINT)   # the whole group, as a terminal does: reward workers included
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    lines = err.strip().splitlines()
+    assert child.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert lines[-1].startswith("mrl train: interrupted in round ") and "is intact" in lines[-1], lines[-1]
+    assert lines[-1].endswith("resume with: mrl " + " ".join(argv + ["--resume"]))
+    assert not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
