@@ -409,3 +409,19 @@ def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
     assert lines[-1].startswith("mrl train: interrupted in round ") and "is intact" in lines[-1], lines[-1]
     assert lines[-1].endswith("resume with: mrl " + " ".join(argv + ["--resume"]))
     assert not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def _always_raises(prompt, completion):
+    raise ValueError("broken")
+
+
+def test_reward_stop_names_the_config_key_and_memory_is_in_gib():
+    from mrl_jax.mwra.memory_plan import gb
+    from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec
+    from mrl_jax.tasks.base import Prompt
+
+    prompts = [Prompt(id=i, text=str(i), answer="0", task="t") for i in range(4)]
+    with RewardScorer([RewardSpec(_always_raises, name="bad")], max_consecutive_failures=2) as scorer:
+        with pytest.raises(RewardFailure, match=r"limit 2: config key max_reward_failures"):
+            scorer.score(prompts, ["a"] * 4)
+    assert gb(3 * (1 << 30)) == "3 GiB"   # mwra.memory_gb is GiB: the figures it is compared with are too
