@@ -368,3 +368,60 @@ def test_ctrl_c_inside_a_checkpoint_write_is_one_line_with_the_resume_command(tm
     assert err[-1] == (f"mrl train: interrupted in round 1; the checkpoint of round 0 in {out / 'checkpoints'} is "
                        "intact (later rounds are redone); resume with: mrl " + " ".join(argv + ["--resume"]))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]   # no stale *.orbax-checkpoint-tmp
+
+
+def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
+    """Process 0 of 2 alone: JAX would abort (exit 134, a C++ trace) at its start-up limit; the run exits 2 first."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), MRL_INIT_TIMEOUT_S="2", JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", "mrl_jax.cli", "train", "--config", str(_config(tmp_path)), "--out",
+            str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            "--process-id", "0"]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and "Check failure" not in res.stderr, res.stderr
+    assert lines[0].startswith("waiting for coordinator 127.0.0.1:") and lines[0].endswith("(process 0 of 2, timeout 2 s)")
+    assert lines[-1].startswith("mrl train: --coordinator 127.0.0.1:") and "did not all join within 2 s" in lines[-1]
+    assert "--num-processes" in lines[-1] and len(lines) == 2, lines
+
+
+def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
+    """SIGINT (what Ctrl-C sends to the process group) mid-run: exit 130, no traceback, no temp folder, and the
+    line's command resumes."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    argv = ["train", "--config", str(_config(tmp_path, rounds=200)), "--out", str(out)]
+    child = subprocess.Popen([sys.executable, "-m", "mrl_jax.cli", *argv], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "1").is_dir() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.2)
+        os.killpg(child.pid, signal.SIGINT)   # the whole group, as a terminal does: reward workers included
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    lines = err.strip().splitlines()
+    assert child.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert lines[-1].startswith("mrl train: interrupted in round ") and "is intact" in lines[-1], lines[-1]
+    assert lines[-1].endswith("resume with: mrl " + " ".join(argv + ["--resume"]))
+    assert not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def _always_raises(prompt, completion):
+    raise ValueError("broken")
+
+
+def test_reward_stop_names_the_config_key_and_memory_is_in_gib():
+    from mrl_jax.mwra.memory_plan import gb
+    from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec
+    from mrl_jax.tasks.base import Prompt
+
+    prompts = [Prompt(id=i, text=str(i), answer="0", task="t") for i in range(4)]
+    with RewardScorer([RewardSpec(_always_raises, name="bad")], max_consecutive_failures=2) as scorer:
+        with pytest.raises(RewardFailure, match=r"limit 2: config key max_reward_failures"):
+            scorer.score(prompts, ["a"] * 4)
+    assert gb(3 * (1 << 30)) == "3 GiB"   # mwra.memory_gb is GiB: the figures it is compared with are too

@@ -67,7 +67,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     wait for a process that stopped answering before they abort (docs/multihost.md, "When a process dies").
     ``initialization_timeout`` (else ``$MRL_INIT_TIMEOUT_S``, else 300 s): how long a process waits for the
     coordinator (one line on stderr says it waits; a coordinator that never answers is a
-    ``DistributedSetupError`` naming ``--coordinator``, not JAX's abort).
+    ``DistributedSetupError`` naming ``--coordinator``; processes that do not all join in time: one line naming
+    ``--coordinator`` and ``--num-processes``, then exit 2 -- not JAX's abort).
     Calling it again after a successful start returns the running state. Afterwards ``jax.devices()`` is the
     global device list, and `allocate` / `plan` spread policies over every host's devices.
     """
@@ -123,10 +124,33 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
           f"{timeout} s)", file=sys.stderr, flush=True)
     if process_id != 0:   # process 0 serves the coordinator; the others first see its port open (JAX aborts)
         _wait_for_port(coordinator_address, timeout, process_id, num_processes)
+    joined = _join_deadline(coordinator_address, timeout, process_id, num_processes)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=timeout, **extra)
+                               initialization_timeout=timeout + JOIN_GRACE_S, **extra)
+    joined.set()
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+
+
+JOIN_GRACE_S = 30   # JAX's own start-up limit is this much later than ours: its expiry is an abort (exit 134)
+
+
+def _join_deadline(address: str, timeout_s: float, process_id: int, num_processes: int) -> threading.Event:
+    """A daemon thread that, unless the returned event is set within ``timeout_s``, prints one line naming
+    ``--coordinator`` and ``--num-processes`` and exits 2 -- ahead of JAX's abort when the processes never all
+    join (a missing process, another count or coordinator on one host)."""
+    joined = threading.Event()
+
+    def expire():
+        if not joined.wait(timeout_s):
+            print(f"mrl train: --coordinator {address}: the {num_processes} processes (--num-processes) did not all "
+                  f"join within {timeout_s:g} s (this is process {process_id}); start every process with the same "
+                  "--coordinator and --num-processes and ids 0..n-1, or wait longer with $MRL_INIT_TIMEOUT_S",
+                  file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=expire, name="mrl-join-deadline", daemon=True).start()
+    return joined
 
 
 def _wait_for_port(address: str, timeout_s: float, process_id: int, num_processes: int) -> None:
