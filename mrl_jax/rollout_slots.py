@@ -53,6 +53,12 @@ from mrl_jax.sampling import sample_rows
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count"]
 
 _TRACES = 0
+CHUNK = 32   # decode steps per chunk program call (one host read each)
+
+
+def admit_count(slots: int, admit: int | None = None) -> int:
+    """Rows admitted per decode step at most: ``admit``, default max(8, S / 8), never above S."""
+    return min(int(slots), int(admit) if admit is not None else max(8, int(slots) // 8))
 
 
 def trace_count() -> int:
@@ -270,7 +276,7 @@ def _placement(mesh, rows: int, slots: int | None):
 
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                 slots: int | None = None, chunk: int = 32, admit: int | None = None, width: int | None = None,
+                 slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
                  mesh=None):
     """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
     program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
@@ -280,7 +286,7 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     p, tp = np.shape(prompt_ids)
     b, g = p * int(num_samples), int(num_samples)
     s, rows, put = _placement(mesh, b, slots)
-    a = min(s, int(admit) if admit is not None else max(8, s // 8))
+    a = admit_count(s, admit)
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
@@ -329,7 +335,7 @@ def drive(items: Sequence, stats: list | None = None) -> list:
 
 
 def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                   slots: int | None = None, chunk: int = 32, admit: int | None = None, width: int | None = None,
+                   slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
                    mesh=None) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
 

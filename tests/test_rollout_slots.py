@@ -159,3 +159,13 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
         assert c["logprob_diff"] <= 1e-5 and c["sampling_logprob_diff"] <= 1e-5, (d, c)
         assert c["slots"] % int(d) == 0 and c["slot_devices"] == int(d), (d, c)
     assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
+
+
+def test_sampling_slots_config_key():
+    """``sampling.slots`` below 1 is one ConfigError naming the key; a valid value reaches the policy's sampler."""
+    from benchmarks import soak
+    from mrl_jax.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policies\[0\]\.sampling\.slots': must be >= 1"):
+        soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 0}))
+    assert soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 3})).policies[0].sampling.slots == 3

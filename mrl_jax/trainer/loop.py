@@ -10,6 +10,7 @@ leaves either the checkpoint and every record of its round, or records that a re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -244,6 +245,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         latest = _resume_round(ckpt, out, cfg, resume)
         run = Run(cfg, task=task)
         run.memory = plan_memory(run)   # compiled before any RL work; ConfigError when it does not fit
+        if run.memory is not None:   # the sampler's slots the plan compiled (sampling.slots, or what fits)
+            run.policies = [dataclasses.replace(p, slots=f.slots) for p, f in zip(run.policies, run.memory.figures)]
         state, start = _start(run, ckpt, out, latest)
     except BaseException:
         ckpt.close()
