@@ -30,10 +30,12 @@ prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). A pag
 blocks among its G slots instead of copying them (here Tc / C = 20 % of each slot); the copy keeps the decode
 step the joint-layout attention (one block per slot, no block-table gather).
 
-With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices, the prompt
-store and the outputs replicated; every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
-The flag each chunk returns is replicated, so every process of a mesh spanning processes reads the same value and
-makes the same calls (the driver loop is the same on all of them).
+With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
+store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
+Several processes: the host loop depends on one scalar flag per chunk, the same on every process, so the calls
+would pair up; not done yet: the programs launched in lockstep (``trainer.placement.lockstep``) and the flag and
+outputs pinned replicated and read from a local shard. Until then the round and evaluation use the static sampler
+there.
 """
 from __future__ import annotations
 

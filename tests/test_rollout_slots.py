@@ -44,7 +44,7 @@ def test_slot_count():
                          ids=["plain", "filtered"])
 def test_every_slot_count_equals_the_static_sampler(llama, kw):
     """3 prompts x G 4 (prefix layout), three EOS ids: long-tailed lengths. S = 12 (every row), 1, 5 and 7 (divide
-    nothing), chunks of 6 steps: tokens, masks, lengths, truncation equal, log-probs within 1e-5; S = 1 computes
+    nothing; 2 and 1 rows admitted per step, so freed slots wait their turn), chunks of 6 steps: tokens, masks, lengths, truncation equal, log-probs within 1e-5; S = 1 computes
     exactly the kept tokens, S = 12 the static sampler's B * max(lengths)."""
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, **kw)
@@ -52,8 +52,8 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4))
     lengths = np.asarray(ref.lengths)
     assert lengths.min() < 10 and lengths.max() >= 20, lengths
-    for s in (12, 1, 5, 7):
-        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, slots=s, chunk=6)
+    for s, admit in ((12, None), (1, None), (5, 2), (7, 1)):   # admit: rows entering per step at most (a queue)
+        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, slots=s, chunk=6, admit=admit)
         _assert_same(out, ref)
         assert stats["slots"] == s and stats["row_steps"] >= lengths.sum(), (s, stats)
         if s in (1, 12):

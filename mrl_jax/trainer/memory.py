@@ -3,7 +3,9 @@
 At start (before any warm start or round) `plan_memory` lowers every policy's pinned update and sampler on
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
-XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). With the persistent compilation cache on, the
+XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler (`mrl_jax.rollout_slots`, its start and
+chunk programs) at ``sampling.slots`` when set, else at every row when that fits, else at the largest S that does
+(the plan prints S; none fitting is one ``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the
 first round loads these programs instead of compiling them again.
 
 When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;

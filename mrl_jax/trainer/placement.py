@@ -278,7 +278,8 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
     if jax.process_count() == 1:   # the slot sampler (its chunks are not launched in lockstep across processes)
         out, _ = generate_slots(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
-                                slots=getattr(policy, "slots", None), mesh=mesh)
+                                slots=getattr(policy, "slots", None),
+                                width=max(getattr(policy, "slot_width", 0), ids.shape[1]), mesh=mesh)
         return jax.tree.map(lambda x: x[:P * int(num_samples)], out)
     fn = _mesh_rollout(mesh, policy.graphdef, sampling, num_samples)
     rows = mwra.batch_sharding(mesh)

@@ -71,6 +71,7 @@ class Policy:
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
     update_for: Optional[Callable] = None  # micro_batch_size -> unpinned update (the memory plan compiles it)
     slots: Optional[int] = None  # the sampler's decode slots (sampling.slots; None: every row)
+    slot_width: int = 0  # prompt entries of each slot, at least (the widest train prompt: one decode program)
 
     @property
     def name(self) -> str:

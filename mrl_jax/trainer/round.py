@@ -157,7 +157,8 @@ def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.nd
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     if jax.process_count() == 1:
         return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
-                            num_samples=pol.num_generations, slots=pol.slots, mesh=pol.mesh)
+                            num_samples=pol.num_generations, slots=pol.slots,
+                            width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh)
     rows = mwra.batch_sharding(pol.mesh)
     return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
 
