@@ -13,11 +13,11 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 
 ``--lengths longtail``: completion lengths roughly geometric with mean ~ max_new_tokens / 8 (the tiny model's
 logits are near uniform, and a stop set of V * 8 / N token ids gives each step a ~8 / N chance to end the
-row). Compares the static sampler (``generate``: every row decodes until the longest ends), the live-row
-sampler (``mrl_jax.rollout_live.generate_live``) and ``transformers.generate`` with the same stop set:
-decode row-steps computed per kept token and programs compiled per call over a few keys (a run's rounds;
-load-independent, also with ``--untimed``), tokens identical (static vs live, checked), wall times; a table on
-stderr.
+row). Compares the static sampler (``generate``: every row decodes until the longest ends), the slot sampler
+(``mrl_jax.rollout_slots.generate_slots`` at a few slot counts S: rows enter as slots free) and
+``transformers.generate`` with the same stop set: decode row-steps computed per kept token (S per decode step
+run) and programs compiled per call over a few keys (a run's rounds; load-independent, also with ``--untimed``),
+tokens identical (static vs slots, checked), wall times; a table on stderr.
 """
 from __future__ import annotations
 
@@ -51,8 +51,13 @@ LONGTAIL = {
     False: dict(batch=128, samples=8, prompt_len=32, new_tokens=512, hidden=96, layers=2, heads=4, kv_heads=2,
                 vocab=512, repeats=3, segment=8, rounds=4),
 }
-# generate_live's row sizes per doubling (rollout_live.row_bucket): 4 (the default) and powers of two
-LIVE_VARIANTS = {"live": 4, "live_pow2": 1}
+# the slot sampler's S as a fraction of the rows: every row (the default), a quarter, a sixteenth
+SLOT_FRACTIONS = {"slots_all": 1, "slots_quarter": 4, "slots_16th": 16}
+
+
+def slot_variants(rows: int) -> dict:
+    """{name: S} of :data:`SLOT_FRACTIONS` for ``rows`` rows."""
+    return {name: max(1, rows // f) for name, f in SLOT_FRACTIONS.items()}
 PLAN = {
     True: [("llama", "quick"), ("llama", "quick_g8")],
     False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8"), ("qwen3", "demo_g8"),
@@ -244,12 +249,12 @@ def _longtail_setup(s: dict):
 def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
     """Load-independent figures over ``s["rounds"]`` keys (a run's rounds): row-steps per kept token of each
     sampler and the programs each call compiled (each sampler from empty jit caches, its rounds in order); raises
-    when a live sampler's tokens differ from the static ones."""
+    when the slot sampler's tokens differ from the static ones."""
     import jax
 
     from mrl_jax.compile_stats import CompileCounter
     from mrl_jax.rollout import generate
-    from mrl_jax.rollout_live import generate_live
+    from mrl_jax.rollout_slots import generate_slots
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
@@ -264,31 +269,32 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
         rows.append({"kept": int(lengths.sum()), "mean_length": float(lengths.mean()),
                      "max_length": int(lengths.max()), "static_row_steps": b * int(lengths.max()),
                      "static_compiles": cs.programs})
-    for name, per in LIVE_VARIANTS.items():
+    variants = slot_variants(b)
+    for name, slots in variants.items():
         jax.clear_caches()
         for r, (key, static, row) in enumerate(zip(keys, statics, rows)):
             with CompileCounter() as cl:
-                live, stats = generate_live(graphdef, params, ids, mask, key, cfg, num_samples=g,
-                                            segment=s["segment"], per_doubling=per)
-            if not (np.array_equal(live.tokens, static.tokens) and np.array_equal(live.mask, static.mask)):
+                out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=g, slots=slots,
+                                            chunk=s["segment"])
+            if not (np.array_equal(out.tokens, static.tokens) and np.array_equal(out.mask, static.mask)):
                 raise AssertionError(f"longtail round {r}: {name}'s tokens differ from the static sampler's")
             row.update({f"{name}_row_steps": stats["row_steps"], f"{name}_compiles": cl.programs,
-                        f"{name}_batch_sizes": stats["batch_sizes"],
-                        f"{name}_logprob_max_diff": float(np.abs(live.logprobs - static.logprobs).max())})
-    kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(LIVE_VARIANTS)
-    return {"rounds": rows, "tokens_identical": True,
+                        f"{name}_chunks": stats["chunks"],
+                        f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
+    kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
+    return {"rounds": rows, "tokens_identical": True, "slots": variants,
             "row_steps_per_kept_token": {k: sum(x[f"{k}_row_steps"] for x in rows) / kept for k in names},
             "compiles_per_round": {k: [x[f"{k}_compiles"] for x in rows] for k in names}}
 
 
 def bench_longtail(s: dict, timed: bool = True) -> dict:
-    """Static vs live-row sampler vs transformers on long-tailed completion lengths (module docstring)."""
+    """Static vs slot sampler vs transformers on long-tailed completion lengths (module docstring)."""
     import jax
     import torch
 
     from mrl_jax.bench_env import section
     from mrl_jax.rollout import generate
-    from mrl_jax.rollout_live import generate_live
+    from mrl_jax.rollout_slots import generate_slots
 
     hf, ids, mask, graphdef, params, stops, cfg = _longtail_setup(s)
     b, n, g, tp = s["batch"], s["new_tokens"], s["samples"], ids.shape[1]
@@ -313,15 +319,16 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
     with section("longtail") as load:
         t = _timed({"static": lambda: jax.block_until_ready(generate(graphdef, params, jids, jmask, key, cfg,
                                                                       num_samples=g)),
-                    **{name: functools.partial(generate_live, graphdef, params, ids, mask, key, cfg, num_samples=g,
-                                               segment=s["segment"], per_doubling=per)
-                       for name, per in LIVE_VARIANTS.items()},
+                    **{name: functools.partial(generate_slots, graphdef, params, ids, mask, key, cfg, num_samples=g,
+                                               slots=slots, chunk=s["segment"])
+                       for name, slots in out["slots"].items()},
                     "hf": hf_fn}, s["repeats"])
     out.update({
-        "seconds": t, "kept_tokens_timed": {**{k: first["kept"] for k in ("static",) + tuple(LIVE_VARIANTS)},
+        "seconds": t, "kept_tokens_timed": {**{k: first["kept"] for k in ("static",) + tuple(out["slots"])},
                                             "hf": int(hf_len.sum())},
         "hf_row_steps_per_kept_token": b * hf_gen.shape[1] / hf_len.sum(),
-        "live_speedup_vs_static": t["static"] / t["live"], "live_speedup_vs_hf": t["hf"] / t["live"],
+        "slots_speedup_vs_static": {k: t["static"] / t[k] for k in out["slots"]},
+        "slots_speedup_vs_hf": {k: t["hf"] / t[k] for k in out["slots"]},
         "load": load, "contended": load["contended"],
     })
     return out
@@ -332,20 +339,22 @@ def longtail_table(r: dict) -> str:
     rs = r["row_steps_per_kept_token"]
     lines = [f"long-tailed lengths: {r['rows']} rows, max {r['max_new_tokens']} new tokens, mean length "
              f"{np.mean([x['mean_length'] for x in r['rounds']]):.1f} over {len(r['rounds'])} keys; tokens identical "
-             f"(static vs live): {r['tokens_identical']}",
+             f"(static vs slots): {r['tokens_identical']}",
              "| sampler | row-steps per kept token | compiles per round | seconds | kept tokens / s |",
              "|---|---|---|---|---|"]
     sec, kept = r.get("seconds", {}), r.get("kept_tokens_timed", {})
-    for name, label in (("static", "static (generate)"), ("live", "live (generate_live)"),
-                        ("live_pow2", "live, power-of-two rows"), ("hf", "transformers")):
+    labels = [("static", "static (generate)")] + [(k, f"slots (generate_slots), S = {v}") for k, v in
+                                                   r["slots"].items()] + [("hf", "transformers")]
+    for name, label in labels:
         steps = rs.get(name, r.get("hf_row_steps_per_kept_token") if name == "hf" else None)
         comp = r["compiles_per_round"].get(name, "-")
         t = sec.get(name)
         lines.append(f"| {label} | {'-' if steps is None else f'{steps:.2f}'} | {comp} | "
                      f"{'-' if t is None else f'{t:.3f}'} | {'-' if t is None else f'{kept[name] / t:.0f}'} |")
     if sec:
-        lines.append(f"live vs static: {r['live_speedup_vs_static']:.2f}x, live vs transformers: "
-                     f"{r['live_speedup_vs_hf']:.2f}x (contended: {r['contended']})")
+        lines.append("slots vs static / transformers: " + ", ".join(
+            f"S {r['slots'][k]}: {r['slots_speedup_vs_static'][k]:.2f}x / {r['slots_speedup_vs_hf'][k]:.2f}x"
+            for k in r["slots"]) + f" (contended: {r['contended']})")
     return "\n".join(lines)
 
 

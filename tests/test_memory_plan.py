@@ -124,3 +124,23 @@ def test_tree_bytes_counts_a_shard_per_device():
     mesh = jax.make_mesh((1,), ("data",))
     sd = jax.ShapeDtypeStruct((8, 3), np.float32, sharding=NamedSharding(mesh, PartitionSpec("data")))
     assert tree_bytes({"a": sd, "b": jax.ShapeDtypeStruct((5,), np.int8)}) == 8 * 3 * 4 + 5
+
+
+def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
+    """The plan compiles the slot sampler at every row (P x G) when it fits and prints S; with less room the
+    largest S that fits (its figure within the room, KV bytes growing with S); with none, one ConfigError naming
+    ``sampling.slots`` and the figure."""
+    run, plan = planned
+    pol, f = run.policies[0], plan.figures[0]
+    rows = run.cfg.prompts_per_round * pol.num_generations
+    assert f.slots == rows and f"sampler at S = {rows} slots" in str(plan) and plan.to_dict()["policies"][
+        pol.name]["sampler_slots"] == rows
+    mesh, params = run.placement.meshes[0], run.state_template().policies[0].params
+    Tp = memory.prompt_width(run, pol)
+    full, s = memory._sampler(run, pol, mesh, params, Tp)
+    assert s == rows and full == f.sampler
+    need = full.peak - tree_bytes(params)
+    small, s = memory._sampler(run, pol, mesh, params, Tp, need - 1)
+    assert 1 <= s < rows and small.peak - tree_bytes(params) <= need - 1 and small.peak < full.peak
+    with pytest.raises(ConfigError, match=r"policies\.llama_bpe\.sampling\.slots': the sampler does not fit at any S"):
+        memory._sampler(run, pol, mesh, params, Tp, 0)

@@ -100,6 +100,7 @@ class PolicyMemory:
     reference: int
     update: StepMemory
     sampler: Optional[StepMemory] = None
+    slots: Optional[int] = None   # the sampler's decode slots S the figure was compiled at
 
     @property
     def state(self) -> int:
@@ -123,6 +124,8 @@ class PolicyMemory:
                "update": self.update._asdict(), "total_bytes": self.total}
         if self.sampler is not None:
             out["sampler"] = self.sampler._asdict()
+        if self.slots is not None:
+            out["sampler_slots"] = self.slots
         return out
 
     def line(self) -> str:
@@ -130,7 +133,8 @@ class PolicyMemory:
         s = (f"{self.name}: params {gb(self.params)} + optimizer {gb(self.optimizer)} + reference "
              f"{gb(self.reference)}; update temporaries {gb(self.update.temp)} (step peak {gb(self.update.peak)})")
         if self.sampler is not None:
-            s += f"; sampler temporaries (KV cache included) {gb(self.sampler.temp)}"
+            at = "" if self.slots is None else f" at S = {self.slots} slots"
+            s += f"; sampler{at} temporaries (KV cache included) {gb(self.sampler.temp)}"
         return s + f"; total {gb(self.total)} per device"
 
 

@@ -70,8 +70,13 @@ class SamplingSpec:
     top_p: float = field(1.0, help="nucleus mass; 1.0 = off")
     min_p: float = field(0.0, help="keep tokens with probability >= min_p x the top one's; 0 = off (TRL's "
                                            "default None means the same)")
+    slots: Optional[int] = field(None, help="decode slots of the sampler (mrl_jax.rollout_slots: rows enter as "
+                                            "slots free, one decode program); None = every row (P x G), rounded "
+                                            "up to a multiple of the policy's data axis")
 
     def __post_init__(self):
+        check(self.slots is None or self.slots >= 1, "slots",
+              f"must be >= 1 (or unset: every row), got {self.slots}")
         check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")

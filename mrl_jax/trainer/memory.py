@@ -3,7 +3,9 @@
 At start (before any warm start or round) `plan_memory` lowers every policy's pinned update and sampler on
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
-XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). With the persistent compilation cache on, the
+XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler (`mrl_jax.rollout_slots`, its start and
+chunk programs) at ``sampling.slots`` when set, else at every row when that fits, else at the largest S that does
+(the plan prints S; none fitting is one ``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the
 first round loads these programs instead of compiling them again.
 
 When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;
@@ -23,17 +25,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mrl_jax import mwra
+from mrl_jax import mwra, rollout_slots
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.models.factory import build_model
-from mrl_jax.mwra.memory_plan import (PolicyMemory, devices_needed, gb, largest_fitting, over_limit, step_memory,
-                                      tree_bytes)
+from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, devices_needed, gb, largest_fitting, over_limit,
+                                      step_memory, tree_bytes)
 from mrl_jax.rollout import bucket_length
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.trainer.encoding import PROMPT_BUCKETS
-from mrl_jax.trainer.placement import _mesh_rollout, device_memory_bytes, pad_rows, pin_update
+from mrl_jax.trainer.placement import device_memory_bytes, on_mesh, pad_rows, pin_update
 from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
 from mrl_jax.trainer.policy import add_lora, update_factory
 
@@ -97,12 +99,61 @@ def _update_inputs(run, pol, mesh, Tp: int):
     return placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh)
 
 
-def _sampler(run, pol, mesh, params, Tp: int):
-    rows = pad_rows(run.cfg.prompts_per_round, int(mesh.devices.size))
-    ids = placed(jax.ShapeDtypeStruct((rows, Tp), jnp.int32), mesh)
-    mask = placed(jax.ShapeDtypeStruct((rows, Tp), jnp.bool_), mesh)
-    return step_memory(_mesh_rollout(mesh, pol.graphdef, pol.sampling, pol.num_generations), params, ids, mask,
-                       _key(mesh))
+def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
+    """The slot sampler's figure at S slots: the larger-peak of its two programs (start: prefill and token 0;
+    chunk: the decode steps), compiled on abstract inputs; None where the backend reports none."""
+    from mrl_jax.mwra import batch_sharding
+
+    G, cfg, rows = pol.num_generations, pol.sampling, batch_sharding(mesh)
+    repl = NamedSharding(mesh, mwra.REPLICATED)
+    ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
+    start = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._start(pol.graphdef, p, i, m, k, cfg,
+                                                                          num_samples=G, slots=S, width=Tp,
+                                                                          rows=rows)))
+    compiled = start.lower(params, ids, mask, _key(mesh)).compile()
+    mem = compiled.memory_analysis()
+    first = None if mem is None else StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
+                                                temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes))
+    shapes = jax.eval_shape(start, params, ids, mask, _key(mesh))[:2]
+    shardings = compiled.output_shardings[:2]
+    prompts, state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    admit = rollout_slots.admit_count(S)
+    chunk = jax.jit(lambda p, pr, st: rollout_slots._chunk(pol.graphdef, p, pr, st, cfg, G, rollout_slots.CHUNK,
+                                                           admit, rows=rows),
+                    donate_argnums=(2,))
+    second = step_memory(chunk, params, prompts, state)
+    if first is None or second is None:
+        return None
+    return max(first, second, key=lambda m: m.peak)
+
+
+def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
+    """(the sampler's figure, S): at ``sampling.slots`` when set, else at every row (P x G) when its transient fits
+    in ``room`` bytes (None: unchecked), else at the largest S that does (bisection over multiples of the data
+    axis); ConfigError naming the figure at the smallest S when none does."""
+    d = int(mesh.devices.size)
+    P = pad_rows(run.cfg.prompts_per_round, d)
+    B = P * pol.num_generations
+    at = {}
+
+    def fig(s):
+        if s not in at:
+            at[s] = _slot_memory(pol, mesh, params, P, Tp, s)
+        return at[s]
+
+    def fits(s):
+        f = fig(s)
+        return room is None or f is None or f.peak - tree_bytes(params) <= room
+
+    if pol.slots is not None or fits(B):
+        s = rollout_slots.slot_count(B, pol.slots, d)
+        return fig(s), s
+    best = largest_fitting(range(d, B, d), fits)
+    if best is None:
+        raise ConfigError(f"config key 'policies.{pol.name}.sampling.slots': the sampler does not fit at any S "
+                          f"(at S = {d}: {gb(fig(d).peak - tree_bytes(params))} beside the state, room "
+                          f"{gb(room)} per device)")
+    return fig(best), best
 
 
 def _figure(pol, state, update, inputs, sampler) -> Optional[PolicyMemory]:
@@ -142,14 +193,15 @@ def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
     for i, pol in enumerate(run.policies):
         mesh, Tp = run.placement.meshes[i], prompt_width(run, pol)
         inputs = _update_inputs(run, pol, mesh, Tp)
+        state = template[i]
         t0 = time.perf_counter()
-        sampler = _sampler(run, pol, mesh, template[i].params, Tp)
+        sampler, slots = _sampler(run, pol, mesh, state.params, Tp, limit - tree_bytes(state))
         t1 = time.perf_counter()
-        f = _figure(pol, template[i], pol.update, inputs, sampler)
+        f = _figure(pol, state, pol.update, inputs, sampler)
         if f is None:
             return None
         seconds.append({"sampler": t1 - t0, "update": time.perf_counter() - t1})
-        figures.append(f)
+        figures.append(dataclasses.replace(f, slots=slots))
         ctx.append((mesh, inputs, sampler))
     groups = [p.device_ids for p in run.placement.plan.policies]
     bad = over_limit(groups, figures, limit)

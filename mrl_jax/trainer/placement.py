@@ -38,7 +38,7 @@ from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import splash
 from mrl_jax.rollout import generate
-from mrl_jax.rollout_live import generate_live
+from mrl_jax.rollout_slots import generate_slots
 
 def config_rules(rules: Sequence[Sequence[Any]]) -> tuple:
     """``mwra.rules`` from the config (``[[regex, 'fsdp' | 'replicated' | [axes...]], ...]``) followed by the
@@ -279,8 +279,10 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
     mesh = policy.mesh
     P = prompt_ids.shape[0]
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
-    if jax.process_count() == 1:   # the live sampler reads its rows' done flags on this process
-        out, _ = generate_live(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples, mesh=mesh)
+    if jax.process_count() == 1:   # the slot sampler (its chunks are not launched in lockstep across processes)
+        out, _ = generate_slots(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
+                                slots=getattr(policy, "slots", None),
+                                width=max(getattr(policy, "slot_width", 0), ids.shape[1]), mesh=mesh)
         return jax.tree.map(lambda x: x[:P * int(num_samples)], out)
     fn = _mesh_rollout(mesh, policy.graphdef, sampling, num_samples)
     rows = mwra.batch_sharding(mesh)

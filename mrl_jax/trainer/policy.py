@@ -70,6 +70,8 @@ class Policy:
     view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
     update_for: Optional[Callable] = None  # micro_batch_size -> unpinned update (the memory plan compiles it)
+    slots: Optional[int] = None  # the sampler's decode slots (sampling.slots; None: every row)
+    slot_width: int = 0  # prompt entries of each slot, at least (the widest train prompt: one decode program)
 
     @property
     def name(self) -> str:
@@ -298,7 +300,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
                     view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
                                          peer_successes=see.peer_successes_per_prompt,
                                          own_successes=see.own_successes_per_prompt),
-                    prompt_limit=limit, update_for=update_for)
+                    prompt_limit=limit, update_for=update_for, slots=s.slots)
     return policy, params
 
 

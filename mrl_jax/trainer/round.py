@@ -34,7 +34,7 @@ from flax import struct
 from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
-from mrl_jax.rollout_live import drive, live_rollout
+from mrl_jax.rollout_slots import drive, slot_rollout
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
@@ -151,12 +151,14 @@ def _replicated(pol: Policy, x):
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout on its mesh (not awaited): prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly. One
-    process: the live sampler (``rollout_live``: a generator that `drive` steps; the batch follows the live
-    rows); several: the pinned static sampler (the live one reads its rows' done flags on one host)."""
+    process: the slot sampler (``rollout_slots``: a generator that `drive` steps; ``pol.slots`` slots over the
+    data axis, rows admitted as slots free); several: the pinned static sampler (the slot sampler's chunks are
+    not yet launched in lockstep across processes)."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     if jax.process_count() == 1:
-        return live_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
-                            num_samples=pol.num_generations, mesh=pol.mesh)
+        return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
+                            num_samples=pol.num_generations, slots=pol.slots,
+                            width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh)
     rows = mwra.batch_sharding(pol.mesh)
     return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
 
@@ -196,7 +198,7 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
             launched.append(_dispatch_rollout(pol, ps, ids, mask, keys[pol.index]))
         encoded.append((ids, mask))
         stamps.append({"rollout_dispatched": time.perf_counter() - t0})
-    with guard():   # the live samplers to the end, one program of each policy in turn
+    with guard():   # the slot samplers to the end, one program of each policy in turn
         launched = drive(launched)
     out = []
     for pol, (ids, mask), run, st in zip(policies, encoded, launched, stamps):

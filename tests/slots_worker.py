@@ -1,6 +1,6 @@
-"""Child process of tests/test_rollout_live.py (forced CPU devices): the live sampler on a mesh.
+"""Child process of tests/test_rollout_slots.py (forced CPU devices): the slot sampler on a mesh.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/live_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/slots_worker.py
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 import worker_result
 from mrl_jax import models, mwra
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_live import generate_live
+from mrl_jax.rollout_slots import generate_slots
 from mrl_jax.trainer.placement import pad_prompts
 
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -27,12 +27,13 @@ def main() -> dict:
     key = jax.random.key(11)
     ref = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=3))
     res: dict = {"devices": len(jax.devices()), "lengths": ref.lengths.tolist(), "cases": {}}
-    for d in (4, 3):   # P 3 -> 4 prompts (12 rows) on 4 devices; 3 prompts (9 rows) on 3
+    for d, slots in ((4, 5), (3, None)):   # P 3 -> 4 prompts (12 rows) in 8 slots on 4 devices; 9 rows, 9 slots on 3
         mesh = Mesh(np.asarray(jax.devices()[:d]).reshape(d), ("data",))
         params = mwra.put(p, mwra.param_shardings(p, mesh, min_size=0))
         pids, pmask = pad_prompts(ids, mask, d)
         with jax.transfer_guard("disallow"):
-            out, stats = generate_live(gd, params, pids, pmask, key, cfg, num_samples=3, segment=4, mesh=mesh)
+            out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=3, slots=slots, chunk=4,
+                                        mesh=mesh)
         b = len(PROMPTS) * 3
         res["cases"][str(d)] = {
             "tokens_equal": bool(np.array_equal(out.tokens[:b], ref.tokens)),
@@ -40,7 +41,8 @@ def main() -> dict:
             "truncated_equal": bool(np.array_equal(out.truncated[:b], ref.truncated)),
             "logprob_diff": float(np.abs(out.logprobs[:b] - ref.logprobs).max()),
             "sampling_logprob_diff": float(np.abs(out.sampling_logprobs[:b] - ref.sampling_logprobs).max()),
-            "batch_sizes": stats["batch_sizes"],
+            "slots": stats["slots"],
+            "slot_devices": stats["slot_devices"],
             "sharded_params": sum(len(x.sharding.device_set) == d and not x.sharding.is_fully_replicated
                                   for x in jax.tree.leaves(params)),
         }

@@ -1,0 +1,356 @@
+"""Continuous batching at fixed shapes: :func:`generate_slots`, the static sampler's tokens decoded in S slots that
+rows enter as slots free.
+
+    out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=G, slots=S)   # Rollout [P*G, N]
+    stats["row_steps"] / out.lengths.sum()   # decode row-steps computed per token kept
+
+How it works:
+
+* ``_start`` (one program per prompt shape): the P prompts are prefilled ONCE (the prompt store: each prompt's
+  keys/values, heads-major), every row's token 0 is sampled from its prompt's last logits, and the rows that
+  still need decoding (token 0 not a stop id, N > 1) queue up in row order; the first S of them enter the slots.
+* ``_chunk`` (ONE program for a given (S, prompt width, N)): up to ``chunk`` decode steps over all S slots in a
+  ``lax.while_loop``. Each slot has its own row id, step index and position; a slot whose row ends (stop id or
+  step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
+  row-step waits for the host. The host reads one flag per chunk (anything left?), the next chunk already
+  dispatched; nothing else crosses to the host until the outputs.
+* the cache (:class:`SlotCache`) is a ring of C = Tc + N - 1 entries per slot (Tc the prompt width): every slot
+  writes step t's key/value at entry ``t mod C`` (one scalar write index for all slots, the joint-layout decode of
+  :mod:`mrl_jax.models.attention` as is); a row admitted at step t gets its prompt's keys copied into the C - N + 1
+  entries its N - 1 decode steps will not reach, and ``kpos`` (each entry's position, -1 empty) gives the mask and
+  the sliding windows. Attention does not depend on where a key sits, so a row's logits are those of the static
+  sampler.
+* randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
+  key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
+
+Memory (KV copied into the slots, not paged): per slot 2 * L * K * D * C * dtype bytes, plus the prompt store
+P * Tc * the same per-token figure, plus the outputs [P * G, N]. Llama-3.1-8B (128 KiB per token, bf16), 64 prompts
+x G 8, 1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB
+prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). A paged cache would share each prompt's
+blocks among its G slots instead of copying them (here Tc / C = 20 % of each slot); the copy keeps the decode
+step the joint-layout attention (one block per slot, no block-table gather).
+
+With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
+store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
+Several processes: the host loop depends on one scalar flag per chunk, the same on every process, so the calls
+would pair up; not done yet: the programs launched in lockstep (``trainer.placement.lockstep``) and the flag and
+outputs pinned replicated and read from a local shard. Until then the round and evaluation use the static sampler
+there.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from mrl_jax.models import splash
+from mrl_jax.models.attention import SampleCache
+from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
+from mrl_jax.sampling import sample_rows
+
+__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count"]
+
+_TRACES = 0
+CHUNK = 32   # decode steps per chunk program call (one host read each)
+
+
+def admit_count(slots: int, admit: int | None = None) -> int:
+    """Rows admitted per decode step at most: ``admit``, default max(8, S / 8), never above S."""
+    return min(int(slots), int(admit) if admit is not None else max(8, int(slots) // 8))
+
+
+def trace_count() -> int:
+    """How many times the slot sampler's programs (start or chunk) have been traced in this process."""
+    return _TRACES
+
+
+def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
+    """S: ``slots`` (None: every row; never more than the rows) rounded up to a multiple of ``multiple`` (the
+    devices the slots split over)."""
+    s = int(rows if slots is None else slots)
+    if s < 1:
+        raise ValueError(f"sampling.slots must be >= 1, got {slots}")
+    return -(-min(s, rows) // multiple) * multiple
+
+
+@struct.dataclass
+class SlotCache(SampleCache):
+    """A joint-layout :class:`SampleCache` (``pk = pv = ()``, ``pmask`` bool[S, 0]) used as a ring per slot:
+    gk [S, K, D, C], gv [S, K, C, D] per layer. kpos: int32[S, C] the position of the token held in each entry
+    (-1: empty); qpos: int32[S] the position of the token the step feeds (its window's reference)."""
+
+    kpos: jax.Array
+    qpos: jax.Array
+
+    def step_masks(self, gen_index, window=None):
+        """bool[S, C]: the entries the step's query sees (the new entry is already in ``kpos``)."""
+        seen = self.kpos >= 0
+        if window is not None:
+            seen = seen & (self.kpos > self.qpos[:, None] - window)
+        return seen
+
+
+@struct.dataclass
+class _Prompts:
+    """The round's constants: prompt keys pk (L x [P, K, D, Tc]) / values pv (L x [P, K, Tc, D]), ppos int32[P, Tc]
+    (positions, -1 on padding), plen int32[P], tok0 int32[B], u f32[B, N, 2] (None greedy), order int32[B] (rows
+    to decode, queue order), count int32 (how many)."""
+
+    pk: tuple
+    pv: tuple
+    ppos: jax.Array
+    plen: jax.Array
+    tok0: jax.Array
+    u: jax.Array | None
+    order: jax.Array
+    count: jax.Array
+
+
+@struct.dataclass
+class _State:
+    """Slots: row int32[S] (-1 free), step int32[S] (the token index it samples next), tok int32[S] (the token it
+    feeds); t: steps run (ring write index t mod C); ptr: queue rows taken; outputs tokens [B, N], logps [B, N, 2],
+    mask [B, N], ended bool[B] (stop id seen)."""
+
+    cache: SlotCache
+    row: jax.Array
+    step: jax.Array
+    tok: jax.Array
+    t: jax.Array
+    ptr: jax.Array
+    tokens: jax.Array
+    logps: jax.Array
+    mask: jax.Array
+    ended: jax.Array
+
+
+def _constrain(state: _State, rows) -> _State:
+    """The slot-dim leaves of ``state`` split over ``rows`` (a sharding; None: unchanged)."""
+    if rows is None:
+        return state
+    c = jax.lax.with_sharding_constraint
+    return state.replace(cache=jax.tree.map(lambda x: c(x, rows), state.cache), row=c(state.row, rows),
+                         step=c(state.step, rows), tok=c(state.tok, rows))
+
+
+def _busy(p: _Prompts, st: _State):
+    return jnp.any(st.row >= 0) | (st.ptr < p.count)
+
+
+def _admit(p: _Prompts, st: _State, a: int, g: int, n: int) -> _State:
+    """Up to ``a`` queued rows into free slots at step ``st.t``: each one's prompt copied into the entries its
+    decode steps will not write (ring shifted by t mod C), its token 0 to feed, step 1."""
+    s, b = st.row.shape[0], p.order.shape[0]
+    c = st.cache.kpos.shape[1]
+    free = jnp.nonzero(st.row < 0, size=a, fill_value=s)[0]
+    j = jnp.arange(a, dtype=jnp.int32)
+    ok = (free < s) & (st.ptr + j < p.count)
+    row = p.order[jnp.minimum(st.ptr + j, b - 1)]
+    idx = jnp.where(ok, free, s)   # s: dropped
+    pr, shift = row // g, st.t % c
+
+    def ring(x, fill, axis):   # [a, ..., Tc, ...] -> [a, ..., C, ...]: N - 1 empty entries, then the prompt, rolled
+        empty = jnp.full(x.shape[:axis] + (n - 1,) + x.shape[axis + 1:], fill, x.dtype)
+        return jnp.roll(jnp.concatenate([empty, x], axis), shift, axis)
+
+    cache = st.cache.replace(
+        gk=tuple(x.at[idx].set(ring(k[pr], 0, 3), mode="drop") for x, k in zip(st.cache.gk, p.pk)),
+        gv=tuple(x.at[idx].set(ring(v[pr], 0, 2), mode="drop") for x, v in zip(st.cache.gv, p.pv)),
+        kpos=st.cache.kpos.at[idx].set(ring(p.ppos[pr], -1, 1), mode="drop"))
+    return st.replace(cache=cache, row=st.row.at[idx].set(row, mode="drop"),
+                      step=st.step.at[idx].set(1, mode="drop"), tok=st.tok.at[idx].set(p.tok0[row], mode="drop"),
+                      ptr=st.ptr + jnp.sum(ok, dtype=jnp.int32))
+
+
+def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _State:
+    """One decode step of every slot: feed its token at its position, sample its next token with its row's
+    uniforms at its step, write it to the row's outputs; a row that ends frees its slot."""
+    n, b = config.max_new_tokens, p.tok0.shape[0]
+    c = st.cache.kpos.shape[1]
+    live = st.row >= 0
+    r, i = jnp.maximum(st.row, 0), jnp.minimum(st.step, n - 1)
+    qpos = p.plen[r // g] + i - 1
+    w = st.t % c
+    cache = st.cache.replace(kpos=st.cache.kpos.at[:, w].set(jnp.where(live, qpos, -1)), qpos=qpos)
+    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], cache, w)
+    u = None if p.u is None else p.u[r, i].T[..., None]
+    tok, lp, slp = sample_rows(logits[:, -1], u, config)
+    out = jnp.where(live, st.row, b)   # b: dropped
+    hit = (jnp.any(tok[:, None] == jnp.asarray(config.eos_ids, jnp.int32)[None], -1) if config.eos_ids
+           else jnp.zeros_like(live))
+    done = hit | (i >= n - 1)
+    return st.replace(cache=cache, row=jnp.where(live & done, -1, st.row), step=st.step + 1, tok=tok, t=st.t + 1,
+                      tokens=st.tokens.at[out, i].set(tok, mode="drop"),
+                      logps=st.logps.at[out, i].set(jnp.stack([lp, slp], -1), mode="drop"),
+                      mask=st.mask.at[out, i].set(True, mode="drop"), ended=st.ended.at[out].set(hit, mode="drop"))
+
+
+def _prefill(model, prompt_ids, prompt_mask, width: int):
+    """The prompt store's keys / values (L x [P, K, D, Tc], L x [P, K, Tc, D]), ppos int32[P, Tc], plen int32[P]
+    and the last position's hidden state [P, D]; Tc = ``width`` >= Tp (right of the prompt: empty entries)."""
+    p, tp = prompt_ids.shape
+    pmask = prompt_mask.astype(bool)
+    positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
+    kv = model.init_cache(p, tp)
+    h, kv = model.decode_hidden(prompt_ids.astype(jnp.int32), positions, kv, 0, pmask)
+    extra = width - tp
+    pk = tuple(jnp.pad(kv.k[i].transpose(0, 2, 3, 1), ((0, 0),) * 3 + ((0, extra),)) for i in range(kv.k.shape[0]))
+    pv = tuple(jnp.pad(kv.v[i].transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, extra), (0, 0)))
+               for i in range(kv.v.shape[0]))
+    ppos = jnp.pad(jnp.where(pmask, positions, -1), ((0, 0), (0, extra)), constant_values=-1)
+    return pk, pv, ppos, jnp.sum(pmask, -1, dtype=jnp.int32), h[:, -1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
+def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, slots: int,
+           width: int, rows=None):
+    """Prefill, token 0 of every row, the queue, the first S rows admitted. Returns (_Prompts, _State, busy)."""
+    global _TRACES
+    _TRACES += 1
+    model = nnx.merge(graphdef, params)
+    p, tp = prompt_ids.shape
+    g, n = num_samples, config.max_new_tokens
+    b = p * g
+    mcfg = getattr(model, "config", None)
+    if getattr(mcfg, "family", None) == "gpt2" and tp + n > mcfg.max_position_embeddings:
+        raise ValueError(f"generate_slots: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
+                         f"{mcfg.max_position_embeddings} learned positions")
+    pk, pv, ppos, plen, h = _prefill(model, prompt_ids, prompt_mask, width)
+    logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)   # [B, V]
+    u = None if config.is_greedy else row_uniforms(key, b, n)
+    tok0, lp, slp = sample_rows(logits, None if u is None else u[:, 0].T[..., None], config)
+    eos = jnp.asarray(config.eos_ids, jnp.int32)
+    ended = jnp.any(tok0[:, None] == eos[None], -1) if config.eos_ids else jnp.zeros((b,), bool)
+    needs = ~ended & (n > 1)
+    order = jnp.nonzero(needs, size=b, fill_value=0)[0].astype(jnp.int32)
+    prompts = _Prompts(pk=pk, pv=pv, ppos=ppos, plen=plen, tok0=tok0, u=u, order=order,
+                       count=jnp.sum(needs, dtype=jnp.int32))
+    L, (_, K, D, _) = len(pk), pk[0].shape
+    c = width + n - 1
+    cache = SlotCache(pk=(), pv=(), gk=(jnp.zeros((slots, K, D, c), pk[0].dtype),) * L,
+                      gv=(jnp.zeros((slots, K, c, D), pv[0].dtype),) * L, pmask=jnp.zeros((slots, 0), bool),
+                      kpos=jnp.full((slots, c), -1, jnp.int32), qpos=jnp.zeros((slots,), jnp.int32))
+    zero = jnp.zeros((), jnp.int32)
+    state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
+                   tok=jnp.zeros((slots,), jnp.int32), t=zero, ptr=zero,
+                   tokens=jnp.full((b, n), config.pad_id, jnp.int32).at[:, 0].set(tok0),
+                   logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
+                   mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
+    state = _constrain(_admit(prompts, state, slots, g, n), rows)
+    return prompts, state, _busy(prompts, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows",), donate_argnums=(3,))
+def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
+           admit: int, *, rows=None):
+    """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step) before each
+    step; stops early when no row is left. Returns (_State, busy bool, steps run int32)."""
+    global _TRACES
+    _TRACES += 1
+    model = nnx.merge(graphdef, params)
+    g, n = num_samples, config.max_new_tokens
+
+    def body(carry):
+        k, st = carry
+        refill = jnp.any(st.row < 0) & (st.ptr < prompts.count)
+        st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g, n), lambda s: s, st)
+        return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
+
+    steps, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
+                                      (jnp.zeros((), jnp.int32), state))
+    return state, _busy(prompts, state), steps
+
+
+def _placement(mesh, rows: int, slots: int | None):
+    """(S, slot sharding or None, a function placing a host value replicated / on the default device)."""
+    if mesh is None:
+        return slot_count(rows, slots), None, jax.device_put
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mrl_jax.mwra import batch_sharding
+
+    repl = NamedSharding(mesh, PartitionSpec())
+    return slot_count(rows, slots, int(mesh.devices.size)), batch_sharding(mesh), lambda x: jax.device_put(x, repl)
+
+
+def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
+                 slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
+                 mesh=None):
+    """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
+    program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
+    is (Rollout of host arrays, stats)."""
+    if int(chunk) < 1:
+        raise ValueError(f"generate_slots: chunk must be >= 1, got {chunk}")
+    p, tp = np.shape(prompt_ids)
+    b, g = p * int(num_samples), int(num_samples)
+    s, rows, put = _placement(mesh, b, slots)
+    a = admit_count(s, admit)
+    width = tp if width is None else int(width)
+    if width < tp:
+        raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
+    gen = _drive_slots(graphdef, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key),
+                       config, g, s, int(chunk), a, width, rows, b)
+    next(gen)
+    return gen
+
+
+def _drive_slots(graphdef, params, ids, mask, key, config, g, s, chunk, a, width, rows, b):
+    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last flag is read."""
+    with splash.on_mesh(None if rows is None else rows.mesh):   # the prefill's TPU kernel, placed on the mesh
+        prompts, state, busy = _start(graphdef, params, ids, mask, key, config, num_samples=g, slots=s, width=width,
+                                      rows=rows)
+    yield
+    steps = []   # decode steps each chunk ran (device scalars, read at the end)
+    while bool(jax.device_get(busy)):
+        state, busy, k = _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
+        steps.append(k)
+        yield
+    shard = state.cache.gk[0].sharding
+    split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
+    tokens, logps, mask_, ended, steps = jax.device_get((state.tokens, state.logps, state.mask, state.ended, steps))
+    out = Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask_,
+                  lengths=mask_.sum(-1, dtype=np.int32), truncated=~ended)
+    decode = int(sum(int(k) for k in steps))
+    return out, {"row_steps": b + s * decode, "decode_steps": decode, "chunks": len(steps), "slots": s,
+                 "slot_devices": split}
+
+
+def drive(items: Sequence, stats: list | None = None) -> list:
+    """Run the :func:`slot_rollout` generators among ``items`` to the end, one step of each in turn (each one's
+    device work overlaps the others' host reads); returns their Rollouts, other items unchanged. ``stats``: a
+    list that gets each item's stats dict (None for the other items)."""
+    out, pending = list(items), [i for i, x in enumerate(items) if inspect.isgenerator(x)]
+    info = [None] * len(out)
+    while pending:
+        for i in list(pending):
+            try:
+                next(out[i])
+            except StopIteration as stop:
+                out[i], info[i] = stop.value
+                pending.remove(i)
+    if stats is not None:
+        stats.extend(info)
+    return out
+
+
+def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
+                   slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
+                   mesh=None) -> tuple[Rollout, dict]:
+    """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
+
+    Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
+    ``chunk``: decode steps per program call (one host read each); ``admit``: rows admitted per step at most
+    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode
+    program across prompt buckets); ``mesh``: slots split over its devices. Returns (:class:`Rollout` of host
+    numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + S per decode step run), ``decode_steps``,
+    ``chunks``, ``slots``.
+    """
+    stats: list = []
+    out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
+                              slots=slots, chunk=chunk, admit=admit, width=width, mesh=mesh)], stats)
+    return out[0], stats[0]

@@ -1,0 +1,171 @@
+"""generate_slots (S decode slots, rows admitted as slots free) against the static sampler: same key, same tokens,
+for every S; one decode program whatever the lengths."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mrl_jax import models
+from mrl_jax.compile_stats import CompileCounter
+from mrl_jax.rollout import SamplingConfig, generate, left_pad
+from mrl_jax.rollout_slots import drive, generate_slots, slot_count, slot_rollout, trace_count
+
+VOCAB = 61
+PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
+
+
+def _tiny(family="llama", **kw):
+    m = models.tiny_model(family, VOCAB, seed=3, hidden_size=32, intermediate_size=64, **kw)
+    g, p = nnx.split(m)
+    return g, jax.tree_util.tree_map(lambda x: x * 3.0, p)   # sharper logits: varied lengths
+
+
+@pytest.fixture(scope="module")
+def llama():
+    ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
+    return (*_tiny(), ids, mask)
+
+
+def _assert_same(out, ref):
+    for f in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(out, f), np.asarray(getattr(ref, f)), err_msg=f)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+    np.testing.assert_allclose(out.sampling_logprobs, ref.sampling_logprobs, atol=1e-5)
+
+
+def test_slot_count():
+    assert [slot_count(12, s) for s in (None, 1, 5, 12, 40)] == [12, 1, 5, 12, 12]
+    assert [slot_count(12, s, 4) for s in (None, 1, 5)] == [12, 4, 8]
+    with pytest.raises(ValueError, match="sampling.slots"):
+        slot_count(12, 0)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.9, top_k=12, min_p=0.05)],
+                         ids=["plain", "filtered"])
+def test_every_slot_count_equals_the_static_sampler(llama, kw):
+    """3 prompts x G 4 (prefix layout), three EOS ids: long-tailed lengths. S = 12 (every row), 1, 5 and 7 (divide
+    nothing; 2 and 1 rows admitted per step, so freed slots wait their turn), chunks of 6 steps: tokens, masks, lengths, truncation equal, log-probs within 1e-5; S = 1 computes
+    exactly the kept tokens, S = 12 the static sampler's B * max(lengths)."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, **kw)
+    key = jax.random.key(21)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4))
+    lengths = np.asarray(ref.lengths)
+    assert lengths.min() < 10 and lengths.max() >= 20, lengths
+    for s, admit in ((12, None), (1, None), (5, 2), (7, 1)):   # admit: rows entering per step at most (a queue)
+        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, slots=s, chunk=6, admit=admit)
+        _assert_same(out, ref)
+        assert stats["slots"] == s and stats["row_steps"] >= lengths.sum(), (s, stats)
+        if s in (1, 12):
+            assert stats["row_steps"] == (lengths.sum() if s == 1 else 12 * lengths.max()), (s, stats)
+
+
+def _stop_set(tokens: np.ndarray) -> tuple:
+    """(EOS ids, first, never) read off an EOS-free sample: the first token of row ``first`` (a row that ends at
+    step 0) and a few later tokens of other rows, none of which occurs in row ``never`` (a row that never ends)."""
+    never = min(range(len(tokens)), key=lambda r: len(set(tokens[r])))
+    avoid = set(tokens[never].tolist())
+    first = next(r for r in range(len(tokens)) if int(tokens[r, 0]) not in avoid)
+    stops = {int(tokens[first, 0])} | {int(t) for t in tokens[:, 4::6].ravel()}
+    return tuple(sorted(stops - avoid)), first, never
+
+
+@pytest.mark.parametrize("g,slots,chunk", [(3, 4, 5), (1, 2, 7), (3, 9, 64)],
+                         ids=["prefix_G3_S4", "joint_G1_S2", "prefix_G3_every_row"])
+def test_rows_ending_at_step_0_or_never(llama, g, slots, chunk):
+    """A row ending at step 0 (never admitted), a row never ending (N tokens, truncated), left-padded prompts of
+    2..6 tokens, min-p: equal to the static sampler; two samplers driven together (and a finished Rollout passed
+    through) give what each gives alone."""
+    gd, p, ids, mask = llama
+    base = dict(max_new_tokens=23, pad_id=0, cache_bucket=8, temperature=0.8, min_p=0.02)
+    key = jax.random.key(5)
+    free = jax.device_get(generate(gd, p, ids, mask, key, SamplingConfig(**base), num_samples=g)).tokens
+    stops, first, never = _stop_set(np.asarray(free))
+    cfg = SamplingConfig(eos_id=stops, **base)
+    ref = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=g))
+    assert ref.lengths[first] == 1 and ref.truncated[never] and not ref.truncated.all(), ref.lengths
+    out, stats = generate_slots(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots, chunk=chunk)
+    _assert_same(out, ref)
+    other = slot_rollout(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots, chunk=chunk)
+    st: list = []
+    both = drive([slot_rollout(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots, chunk=chunk), other, ref], st)
+    alone, _ = generate_slots(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots,
+                              chunk=chunk)
+    np.testing.assert_array_equal(both[0].tokens, out.tokens)
+    np.testing.assert_array_equal(both[1].tokens, alone.tokens)
+    assert both[2] is ref and st[2] is None and st[0] == stats
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt2"])
+def test_sliding_window_and_learned_positions(family):
+    """Gemma 3 (a sliding window of 5 on alternate layers, shorter than the rows: the window is read off each
+    entry's position in the ring) and GPT-2 (learned positions), greedy and sampled, S = 2 of 6 rows."""
+    extra = dict(sliding_window=5) if family == "gemma3_text" else {}
+    gd, p = _tiny(family, **extra)
+    ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
+    for kw in (dict(greedy=True), dict(temperature=1.0)):
+        cfg = SamplingConfig(max_new_tokens=17, pad_id=0, eos_id=(7, 19), cache_bucket=8, **kw)
+        ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2))
+        out, _ = generate_slots(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2, slots=2, chunk=4)
+        _assert_same(out, ref)
+
+
+def test_one_decode_program_whatever_the_lengths(llama):
+    """After the first call, new keys (other lengths, other admission orders) and a fixed slot width compile
+    nothing: one start and one chunk program, traced once each. A wider prompt bucket with the same ``width``
+    compiles a prefill only."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=30, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
+    generate_slots(g, p, ids, mask, jax.random.key(0), cfg, num_samples=2, slots=3, chunk=4, width=12)
+    before, lengths = trace_count(), set()
+    with CompileCounter() as cc:
+        for r in range(1, 4):
+            out, _ = generate_slots(g, p, ids, mask, jax.random.key(r), cfg, num_samples=2, slots=3, chunk=4,
+                                    width=12)
+            lengths.add(tuple(out.lengths.tolist()))
+    assert len(lengths) == 3 and trace_count() == before and cc.programs == 0, (cc.programs, lengths)
+    wide_ids, wide_mask = left_pad(PROMPTS, pad_id=0, length=12)
+    ref = jax.device_get(generate(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, num_samples=2))
+    before = trace_count()
+    out, _ = generate_slots(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, num_samples=2, slots=3, chunk=4,
+                            width=12)
+    assert trace_count() == before + 1   # the start program for the new prompt shape; the chunk program reused
+    _assert_same(out, ref)
+    with pytest.raises(ValueError, match="width"):
+        generate_slots(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, slots=3, width=8)
+
+
+def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
+    """On 4 forced CPU devices (3 prompts padded to 4, 12 rows in S = 5 -> 8 slots; FSDP-sharded params) and on 3
+    (9 rows, 9 slots), under ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static
+    sampler's and the slots are split over the devices."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import soak
+    import worker_result
+
+    result = tmp_path / "slots.result.json"
+    env = worker_result.env_for(dict(soak.forced_devices_env(4), **soak.compile_cache_env()), result)
+    worker = Path(__file__).with_name("slots_worker.py")
+    proc = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=str(worker.parents[1]))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = worker_result.read(result, proc.stdout)
+    assert r["devices"] == 4 and min(r["lengths"]) < 21 and max(r["lengths"]) > 8, r["lengths"]
+    for d, c in r["cases"].items():
+        assert c["tokens_equal"] and c["mask_equal"] and c["truncated_equal"], (d, c)
+        assert c["logprob_diff"] <= 1e-5 and c["sampling_logprob_diff"] <= 1e-5, (d, c)
+        assert c["slots"] % int(d) == 0 and c["slot_devices"] == int(d), (d, c)
+    assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
+
+
+def test_sampling_slots_config_key():
+    """``sampling.slots`` below 1 is one ConfigError naming the key; a valid value reaches the policy's sampler."""
+    from benchmarks import soak
+    from mrl_jax.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policies\[0\]\.sampling\.slots': must be >= 1"):
+        soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 0}))
+    assert soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 3})).policies[0].sampling.slots == 3
