@@ -116,6 +116,7 @@ def plan_case(label: str, cfg: dict, topology: str) -> dict:
                                  "update_peak_gib": round(f.update.peak / 2 ** 30, 2),
                                  "sampler_peak_gib": round(f.sampler.peak / 2 ** 30, 2),
                                  "state_gib": round(f.state / 2 ** 30, 2), "kernels": f.update.kernels,
+                                 "slots": f.slots,
                                  "compile_s": {k: round(v, 1) for k, v in s.items()}}
                         for p, f, s in zip(report.plan.policies, report.memory.figures, report.memory.compile_seconds)}}
     print(json.dumps(out), flush=True)

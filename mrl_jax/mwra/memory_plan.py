@@ -44,20 +44,25 @@ class StepMemory(NamedTuple):
 def step_memory(fn: Callable, *args) -> Optional[StepMemory]:
     """The compiled memory of jitted ``fn`` on ``args`` (arrays or ``ShapeDtypeStruct``s); None when the
     backend reports no analysis."""
-    lowered = fn.lower(*args)
+    return compiled_memory(fn.lower(*args), args)[1]
+
+
+def compiled_memory(lowered, args) -> tuple:
+    """(the compiled program or None, its `StepMemory` or None) of ``lowered`` (``fn.lower(*args)``): None and an
+    ``exhausted`` figure when XLA:TPU refuses it as over the HBM; a None figure where no analysis is reported."""
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         temp = exhausted_bytes(str(e))
         if temp is None:
             raise
-        return StepMemory(args=tree_bytes(args), out=0, temp=temp, alias=0, exhausted=True)
+        return None, StepMemory(args=tree_bytes(args), out=0, temp=temp, alias=0, exhausted=True)
     mem = compiled.memory_analysis()
     if mem is None:
-        return None
+        return compiled, None
     kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"') if _on_tpu(args) else 0
-    return StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
-                      temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels)
+    return compiled, StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
+                                temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels)
 
 
 _EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT]?)\)", re.S)
@@ -181,5 +186,5 @@ def devices_needed(state: int, devices: int, transient: int, limit: int) -> Opti
     return max(1, math.ceil(state * devices / room))
 
 
-__all__ = ["PolicyMemory", "StepMemory", "device_use", "devices_needed", "gb", "largest_fitting", "over_limit",
+__all__ = ["PolicyMemory", "StepMemory", "compiled_memory", "exhausted_bytes", "device_use", "devices_needed", "gb", "largest_fitting", "over_limit",
            "step_memory", "tree_bytes"]

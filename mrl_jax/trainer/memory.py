@@ -30,7 +30,7 @@ from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.models.factory import build_model
-from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, devices_needed, gb, largest_fitting, over_limit,
+from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, devices_needed, gb, largest_fitting, over_limit,
                                       step_memory, tree_bytes)
 from mrl_jax.rollout import bucket_length
 from mrl_jax.rows import Rows, own_rows
@@ -110,10 +110,9 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     start = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._start(pol.graphdef, p, i, m, k, cfg,
                                                                           num_samples=G, slots=S, width=Tp,
                                                                           rows=rows)))
-    compiled = start.lower(params, ids, mask, _key(mesh)).compile()
-    mem = compiled.memory_analysis()
-    first = None if mem is None else StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
-                                                temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes))
+    compiled, first = compiled_memory(start.lower(params, ids, mask, _key(mesh)), (params, ids, mask))
+    if compiled is None:   # refused by XLA:TPU as over the HBM: that figure decides
+        return first
     shapes = jax.eval_shape(start, params, ids, mask, _key(mesh))[:2]
     shardings = compiled.output_shardings[:2]
     prompts, state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
@@ -226,18 +225,28 @@ def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, s
     rows = run.cfg.prompts_per_round * pol.num_generations
     seen: dict[int, PolicyMemory] = {mb_now: fig}
 
-    def at(m: int) -> PolicyMemory:
+    def at(m: int) -> Optional[PolicyMemory]:
         if m not in seen:
-            seen[m] = _figure(pol, state, pin_update(pol.update_for(m), mesh, state_shardings(state)), inputs,
-                              sampler)
+            try:
+                seen[m] = _figure(pol, state, pin_update(pol.update_for(m), mesh, state_shardings(state)), inputs,
+                                  sampler)
+            except jax.errors.JaxRuntimeError:   # a micro-batch the compiler rejects (e.g. XLA:TPU collectives)
+                seen[m] = None
         return seen[m]
 
-    fits = largest_fitting([m for m in micro_batch_candidates(rows, pol.num_generations) if m < mb_now],
-                           lambda m: i not in over_limit(groups, [*figures[:i], at(m), *figures[i + 1:]], limit))
-    fixes = [f"set {key}.optimizer.micro_batch_size: {fits} (compiled: {gb(seen[fits].total)})" if fits else
-             "no micro_batch_size fits (smallest compiled: "
-             f"{gb(min(f.total for f in seen.values()))})"]
-    smallest = min(seen.values(), key=lambda f: f.transient)
+    def fits_at(m: int) -> bool:
+        f = at(m)
+        return f is not None and i not in over_limit(groups, [*figures[:i], f, *figures[i + 1:]], limit)
+
+    upd = fig.update.peak - fig.params - fig.optimizer
+    if fig.sampler is not None and fig.sampler.peak - fig.params >= upd:   # a smaller micro-batch shrinks the update only
+        fixes = [f"the sampler is the peak ({gb(fig.sampler.peak)}): fewer {key}.sampling.slots (now {fig.slots})"]
+    else:
+        best = largest_fitting([m for m in micro_batch_candidates(rows, pol.num_generations) if m < mb_now], fits_at)
+        fixes = [f"set {key}.optimizer.micro_batch_size: {best} (compiled: {gb(seen[best].total)})" if best else
+                 "no micro_batch_size fits (smallest compiled: "
+                 f"{gb(min(f.total for f in seen.values() if f is not None))})"]
+    smallest = min((f for f in seen.values() if f is not None), key=lambda f: f.transient)
     n = devices_needed(fig.state, int(mesh.devices.size), smallest.transient, limit)
     fixes.append(f"{n} device(s) for it (has {mesh.devices.size}; policies.{pol.name}.devices or mwra.devices)"
                  if n else "no device count fits (the step's transient alone exceeds the limit)")

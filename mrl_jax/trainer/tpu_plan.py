@@ -54,7 +54,7 @@ class TopologyPlan:
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
             verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
-            smp = "-" if f.sampler is None else _peak(f.sampler)
+            smp = "-" if f.sampler is None else _peak(f.sampler) + ("" if f.slots is None else f" at S = {f.slots} slots")
             lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
                          f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {_peak(f.update)}; "
                          f"sampler peak {smp}; total {size(f.total)} of {size(self.hbm_per_device)}: {verdict}")
