@@ -198,6 +198,29 @@ def case_d(work: Path) -> dict:
 CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d}
 
 
+def run(quick: bool = False, work: Path | None = None) -> dict:
+    """``mrl bench --only tpu``: cases a-d (hours of compiles on 2 cores); quick: Qwen2.5-0.5B's update at
+    256 + 1024 tokens on one v5e chip, ours vs splash."""
+    work = work or Path("runs/tpu_shapes")
+    work.mkdir(parents=True, exist_ok=True)
+    if not quick:
+        return {c: CASES[c](work) for c in CASES}
+    import jax
+    import numpy as np
+
+    from benchmarks.bench_memory import SHAPES
+    from mrl_jax.models.config import ModelConfig
+    from mrl_jax.mwra import tpu
+
+    mesh = jax.sharding.Mesh(np.array(tpu.resolve("v5e-1").devices()), ("data",))
+    out = {}
+    for attention in ("blockwise", "splash"):
+        cfg = ModelConfig(family="llama", **SHAPES["qwen2.5-0.5b"], dtype="bfloat16", param_dtype="bfloat16",
+                          remat="full", attention=attention)
+        out[attention] = _update_memory(cfg, 2, 8, 256, 1024, mesh)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="a,b,c,d")

@@ -25,7 +25,8 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 QUICK_LOOK = ("rollout", "thl", "trl", "update")
-OWN_COMMAND = ("probes",)   # an hour-long comparison: `mrl bench probes` (or --only probes), not every `mrl bench`
+# not in every `mrl bench`: an hour-long probe comparison (`mrl bench probes`), hours of TPU compiles (--only tpu)
+OWN_COMMAND = ("probes", "tpu")
 
 
 def available() -> list[str]:
@@ -130,7 +131,7 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
 
     chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else [n for n in names if n not in OWN_COMMAND])
     for name in sorted(set(names) - set(chosen)) if not only else ():
-        results[name] = ({"skipped": f"its own command: `mrl bench {name}`, or --only {name}"} if name in OWN_COMMAND
+        results[name] = ({"skipped": f"its own run: `mrl bench --only {name}`"} if name in OWN_COMMAND
                          else {"skipped": "full run only: `mrl bench` without --quick, or --only " + name})
     # no background refresh of the live line while benchmarks time things: it updates between benchmarks only
     bar = Progress(len(chosen), title="bench", unit="benchmark", auto_refresh=False)

@@ -72,7 +72,7 @@ def test_quick_look_names_real_benchmarks():
 def test_own_command_benchmarks_run_only_when_named(bench_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "OWN_COMMAND", ("cheap",))
     full = bench.run_benchmarks(tmp_path / "f", quick=False)["benchmarks"]
-    assert "`mrl bench cheap`" in full["cheap"]["skipped"] and "boom" in full["broken"]["error"]
+    assert "`mrl bench --only cheap`" in full["cheap"]["skipped"] and "boom" in full["broken"]["error"]
     assert bench.run_benchmarks(tmp_path / "o", quick=False, only=["cheap"])["benchmarks"]["cheap"]["items_per_s"] == 123.0
 
 
