@@ -146,6 +146,10 @@ def _interrupted(ckpt: RunCheckpointer, round_index: int) -> str:
     the line naming the round and the checkpoint a resume starts from."""
     import shutil
 
+    try:
+        ckpt.close()   # first let a write in flight (orbax's own thread) end: it would make its folder again
+    except Exception:  # noqa: BLE001 -- a write the interrupt cut short may fail here; its folder goes below
+        pass
     for tmp in ckpt.directory.glob("*.orbax-checkpoint-tmp*"):
         shutil.rmtree(tmp, ignore_errors=True)
     done = ckpt.latest_round()

@@ -295,7 +295,7 @@ def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
     ``PolicyState`` of shardings from `Placement.shardings`."""
     rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
     update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
-    ref_logp = None if policy.ref_logp is None else lockstep(mesh, on_mesh(mesh, policy.ref_logp))
+    ref_logp = None if policy.ref_logp is None else lockstep(mesh, jax.jit(on_mesh(mesh, policy.ref_logp)))
     return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update, ref_logp=ref_logp)
 
 
