@@ -370,6 +370,32 @@ def test_ctrl_c_inside_a_checkpoint_write_is_one_line_with_the_resume_command(tm
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]   # no stale *.orbax-checkpoint-tmp
 
 
+def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path, monkeypatch, capsys):
+    """A real SIGINT inside the write: the checkpoint still completes (no temp folder for orbax's threads to
+    refill), then KeyboardInterrupt; the deferral says so on stderr."""
+    import signal
+
+    import numpy as np
+    from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
+
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    original = cch.CompositeCheckpointHandler.save
+
+    def save(self, directory, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+    ckpt = RunCheckpointer(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(3, {"w": np.arange(6.0)}, {"round": 3})
+    ckpt.close()
+    assert ckpt.latest_round() == 3 and sorted(p.name for p in ckpt.directory.iterdir()) == ["3"]
+    assert "finishing the checkpoint of round 3; Ctrl-C again abandons it" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handler is restored
+
+
 def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
     """Process 0 of 2 alone: JAX would abort (exit 134, a C++ trace) at its start-up limit; the run exits 2 first."""
     env = dict(os.environ, PYTHONPATH=str(REPO), MRL_INIT_TIMEOUT_S="2", JAX_PLATFORMS="cpu")
@@ -384,7 +410,6 @@ def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
     assert "--num-processes" in lines[-1] and len(lines) == 2, lines
 
 
-@pytest.mark.skip(reason="flaky: a SIGINT during orbax's async write can leave its temp folder (open in issue 37)")
 def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
     """SIGINT (what Ctrl-C sends to the process group) mid-run: exit 130, no traceback, no temp folder, and the
     line's command resumes."""

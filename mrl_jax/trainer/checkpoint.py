@@ -13,6 +13,10 @@ device count or mesh the run was saved with (8 devices -> 4 works). `read` resto
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +100,30 @@ def host_template(template: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=dev), template)
 
 
+@contextlib.contextmanager
+def interrupts_deferred(line: str):
+    """SIGINT inside the block is held until it ends (then raised as ``KeyboardInterrupt``), with ``line`` on
+    stderr; a second SIGINT raises at once. Off the main thread (where no handler can be set) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+        print(line, file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+
+
 class RunCheckpointer:
     """Save / restore ``(state pytree, meta dict)`` per round under ``<out>/checkpoints``."""
 
@@ -110,11 +138,14 @@ class RunCheckpointer:
         return self._manager.latest_step()
 
     def save(self, round_index: int, state: Any, meta: dict) -> None:
-        """Write the checkpoint of ``round_index`` (blocking; atomic)."""
+        """Write the checkpoint of ``round_index`` (blocking; atomic). A Ctrl-C during the write waits for it
+        to end (`interrupts_deferred`): orbax's writer threads would otherwise go on filling its temporary
+        folder after the main thread left."""
         state = jax.tree.map(_savable, state)
-        self._manager.save(round_index, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        with interrupts_deferred(f"mrl: finishing the checkpoint of round {round_index}; Ctrl-C again abandons it"):
+            self._manager.save(round_index, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager.wait_until_finished()
 
     def all_rounds(self) -> list[int]:
         """Rounds of every complete checkpoint kept, oldest first."""
