@@ -451,3 +451,21 @@ def test_reward_stop_names_the_config_key_and_memory_is_in_gib():
         with pytest.raises(RewardFailure, match=r"limit 2: config key max_reward_failures"):
             scorer.score(prompts, ["a"] * 4)
     assert gb(3 * (1 << 30)) == "3 GiB"   # mwra.memory_gb is GiB: the figures it is compared with are too
+
+
+def test_closed_event_loop_reports_are_kept_off_stderr_and_other_ones_are_not(monkeypatch):
+    """What orbax's leftover event loops raise at garbage collection after a failed restore (98 tracebacks
+    before): swallowed by the CLI's hooks; any other unraisable or thread error still reaches the hook before."""
+    import threading
+    import types
+
+    from mrl_jax import cli
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(("unraisable", str(u.exc_value))))
+    monkeypatch.setattr(threading, "excepthook", lambda a: seen.append(("thread", str(a.exc_value))))
+    cli._quiet_libraries()
+    for exc in (RuntimeError("Event loop is closed"), ValueError("a real bug")):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=exc))
+        threading.excepthook(types.SimpleNamespace(exc_value=exc))
+    assert seen == [("unraisable", "a real bug"), ("thread", "a real bug")]

@@ -7,6 +7,8 @@ import re
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import soak
 from mrl_jax import mwra
@@ -110,6 +112,24 @@ def test_largest_fitting_bisects_a_monotone_predicate():
     assert largest_fitting([4, 8], lambda m: False) is None
     assert memory.micro_batch_candidates(16, 4) == [1, 2, 4, 8]
     assert memory.micro_batch_candidates(12, 4) == [1, 2, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40, unique=True), st.integers(0, 700),
+       st.one_of(st.none(), st.integers(-5, 700)))
+def test_largest_fitting_with_a_guess_is_exact_and_a_right_guess_costs_two_calls(cands, threshold, guess):
+    calls = []
+
+    def fits(m):
+        calls.append(m)
+        return m <= threshold
+
+    fitting = [c for c in cands if c <= threshold]
+    want = max(fitting) if fitting else None
+    assert largest_fitting(cands, fits, guess) == want
+    assert len(calls) == len(set(calls))   # nothing compiled twice
+    if guess is not None and want is not None and want == guess:
+        assert len(calls) <= 2
 
 
 def test_devices_needed_shards_the_state():

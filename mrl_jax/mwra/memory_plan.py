@@ -12,6 +12,7 @@ states there together and run their steps one after another (`device_use`).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import re
@@ -163,11 +164,22 @@ def over_limit(groups: Sequence[Sequence[int]], figures: Sequence[PolicyMemory],
     return [i for i, ids in enumerate(groups) if any(use[d] > limit for d in ids)]
 
 
-def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
-    """The largest ``c`` in ``candidates`` with ``fits(c)``, by bisection (``fits`` monotone: a smaller
-    candidate needs no more memory); None when none fits."""
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool], guess: Optional[int] = None) -> Optional[int]:
+    """The largest ``c`` in ``candidates`` with ``fits(c)`` (``fits`` monotone: a smaller candidate needs no more
+    memory); None when none fits. Bisection, or with ``guess`` (a predicted answer) first the candidates at and
+    just above it: a right guess costs two calls, a wrong one bisects the side it rules out."""
     cands = sorted(set(int(c) for c in candidates))
     lo, hi, best = 0, len(cands) - 1, None
+    if guess is not None and cands:
+        g = min(max(bisect.bisect_right(cands, guess) - 1, 0), hi)
+        if fits(cands[g]):
+            best, lo = cands[g], g + 1
+            if lo <= hi:
+                if not fits(cands[lo]):
+                    return best
+                best, lo = cands[lo], lo + 1
+        else:
+            hi = g - 1
     while lo <= hi:
         mid = (lo + hi) // 2
         if fits(cands[mid]):

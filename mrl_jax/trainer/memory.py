@@ -128,8 +128,9 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
 
 def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
     """(the sampler's figure, S): at ``sampling.slots`` when set, else at every row (P x G) when its transient fits
-    in ``room`` bytes (None: unchecked), else at the largest S that does (bisection over multiples of the data
-    axis); ConfigError naming the figure at the smallest S when none does."""
+    in ``room`` bytes (None: unchecked), else at the largest S that does (over multiples of the data axis, starting
+    where the peak's line through S = d and S = P x G meets the room); ConfigError naming the figure at the
+    smallest S when none does."""
     d = int(mesh.devices.size)
     P = pad_rows(run.cfg.prompts_per_round, d)
     B = P * pol.num_generations
@@ -147,12 +148,21 @@ def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
     if pol.slots is not None or fits(B):
         s = rollout_slots.slot_count(B, pol.slots, d)
         return fig(s), s
-    best = largest_fitting(range(d, B, d), fits)
+    best = largest_fitting(range(d, B, d), fits, guess=_linear_guess(fig(d), fig(B), d, B, room + tree_bytes(params))
+                           if fits(d) else None)
     if best is None:
         raise ConfigError(f"config key 'policies.{pol.name}.sampling.slots': the sampler does not fit at any S "
                           f"(at S = {d}: {gb(fig(d).peak - tree_bytes(params))} beside the state, room "
                           f"{gb(room)} per device)")
     return fig(best), best
+
+
+def _linear_guess(small, large, s_small: int, s_large: int, budget: int) -> Optional[int]:
+    """The S at which a peak linear in S (through the figures at ``s_small`` and ``s_large`` slots) meets
+    ``budget`` bytes: where to start `largest_fitting` (the cache and the decode's activations grow with S)."""
+    if small is None or large is None or large.peak <= small.peak:
+        return None
+    return int(s_small + (budget - small.peak) * (s_large - s_small) / (large.peak - small.peak))
 
 
 def _figure(pol, state, update, inputs, sampler) -> Optional[PolicyMemory]:
