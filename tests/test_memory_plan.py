@@ -162,5 +162,9 @@ def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
     need = full.peak - tree_bytes(params)
     small, s = memory._sampler(run, pol, mesh, params, Tp, need - 1)
     assert 1 <= s < rows and small.peak - tree_bytes(params) <= need - 1 and small.peak < full.peak
+    d = int(mesh.devices.size)
+    P = run.cfg.prompts_per_round + (-run.cfg.prompts_per_round) % d
+    above = memory._slot_memory(pol, mesh, params, P, Tp, s + d) if s + d < rows else full
+    assert above.peak - tree_bytes(params) > need - 1   # the largest: one more step of slots does not fit
     with pytest.raises(ConfigError, match=r"policies\.llama_bpe\.sampling\.slots': the sampler does not fit at any S"):
         memory._sampler(run, pol, mesh, params, Tp, 0)
