@@ -35,11 +35,11 @@ from mrl_jax.rows import ARCHIVE, EMPTY, OWN_ARCHIVE, PEER  # the row kinds (def
 from mrl_jax.see._records import (SEE, Experience, GroupStats, RolloutRecord,
                                   SeeView, SuccessRecord, add, decode_text, init, make_experience, text_hash)
 from mrl_jax.see._views import (PeerSelection, ViewAlignment, build_view, empty_view, make_view, peer_stats,
-                               select_peers)
+                               select_peers, ViewShape)
 
 __all__ = [
     "ARCHIVE", "EMPTY", "OWN_ARCHIVE", "PEER", "SEE", "Experience", "GroupStats", "PeerSelection", "RolloutRecord",
     "SeeView",
-    "SuccessRecord", "ViewAlignment", "add", "build_view", "decode_text", "empty_view", "init", "make_experience",
+    "SuccessRecord", "ViewAlignment", "ViewShape", "add", "build_view", "decode_text", "empty_view", "init", "make_experience",
     "make_view", "peer_stats", "select_peers", "text_hash",
 ]

@@ -10,12 +10,27 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from mrl_jax.rows import ARCHIVE, EMPTY, OWN_ARCHIVE, PEER
 from mrl_jax.see._records import SEE, SeeView, decode_text
 
 if TYPE_CHECKING:
     from mrl_jax.thl import BatchAlignment
+
+
+@struct.dataclass
+class ViewShape:
+    """Static layout of a consumer's SEE view slots per prompt (the same for every probe, so every probe
+    compiles the same shapes)."""
+
+    peer_rollouts: int = struct.field(pytree_node=False, default=8)
+    peer_successes: int = struct.field(pytree_node=False, default=2)
+    own_successes: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def slots(self) -> int:
+        return self.peer_rollouts + self.peer_successes + self.own_successes
 
 
 @dataclasses.dataclass(frozen=True)

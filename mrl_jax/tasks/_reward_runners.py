@@ -13,20 +13,11 @@ import signal
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .base import Prompt
-
-if TYPE_CHECKING:
-    from .rewards import RewardSpec
-
-RewardFn = Callable[[Prompt, str], Any]
-
-
-class RewardFailure(RuntimeError):
-    """A reward function failed systematically (or its worker could not start); training must stop."""
+from .reward_spec import RewardFailure, RewardFn, RewardSpec
 
 
 # ------------------------------------------------------------------------------------ validation

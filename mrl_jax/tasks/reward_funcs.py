@@ -24,24 +24,12 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from .base import Prompt, Task
-from .rewards import RewardSpec
+from .reward_spec import Completion, RewardSpec
 
 __all__ = ["Completion", "FormatReward", "OverlongReward", "TRLReward", "build_reward_specs", "resolve_function"]
 
 BUILTINS = ("accuracy", "format", "overlong")
 THINK_FORMAT = r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>"
-
-
-class Completion(str):
-    """A completion text that also carries its token ids (``.ids``), as the scorer hands it to rewards."""
-
-    def __new__(cls, text: str, ids: Sequence[int] | None = None):
-        out = super().__new__(cls, text)
-        out.ids = None if ids is None else [int(t) for t in ids]
-        return out
-
-    def __reduce__(self):
-        return (Completion, (str(self), self.ids))
 
 
 def resolve_function(path: str, key: str = "rewards") -> Callable:

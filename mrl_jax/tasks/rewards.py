@@ -32,15 +32,14 @@ value outside ``[low, high]`` (``out_of_range``) scores 0 and is counted in the 
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from ._reward_runners import RewardFailure, RewardFn, _ProcessRunner, _ThreadRunner
+from ._reward_runners import _ProcessRunner, _ThreadRunner
 from .base import Prompt, Task
+from .reward_spec import Completion, RewardFailure, RewardSpec
 
 __all__ = [
     "FAILURE_KINDS",
@@ -54,60 +53,6 @@ __all__ = [
 
 #: failure categories, as they appear in the stats keys ``reward/<name>/<kind>``.
 FAILURE_KINDS = ("errors", "timeouts", "nonfinite", "bad_type", "out_of_range")
-_ISOLATIONS = ("thread", "process")
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """One reward function and how to call it.
-
-    Attributes:
-      fn: ``fn(prompt, completion) -> float``.
-      weight: multiplier in the weighted sum of rewards (may be negative, e.g. a penalty).
-      name: stats name (default: the function's ``__name__``); unique within a scorer.
-      timeout_s: per-call time limit in seconds (None: no limit -- not recommended).
-      isolation: "thread" or "process" (see the module docstring).
-      low, high: valid range of the returned value; outside it the call scores 0 (``out_of_range``).
-      num_workers: worker processes for ``isolation="process"`` (a batch is split between them).
-      allow_none: a None return means "not applicable" (TRL): the value is NaN, left out of the weighted sum
-        and of this function's mean/std, and not a failure.
-      success: this function is the task's verifier: its value (not the weighted sum) decides a verified
-        success (``ScoreResult.accuracy``; at most one per scorer).
-    """
-
-    fn: RewardFn
-    weight: float = 1.0
-    name: str | None = None
-    timeout_s: float | None = 5.0
-    isolation: str = "thread"
-    low: float = 0.0
-    high: float = 1.0
-    num_workers: int = 1
-    allow_none: bool = False
-    success: bool = False
-
-    def __post_init__(self):
-        if not callable(self.fn):
-            raise TypeError(f"RewardSpec.fn must be callable, got {type(self.fn).__name__}")
-        if self.name is None:
-            fn = self.fn
-            name = getattr(fn, "__name__", None) or type(fn).__name__
-            owner = getattr(fn, "__self__", None)
-            if isinstance(owner, Task):
-                name = owner.name
-            object.__setattr__(self, "name", name)
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise ValueError(f"RewardSpec.name must be a non-empty string without '/', got {self.name!r}")
-        if not math.isfinite(float(self.weight)):
-            raise ValueError(f"RewardSpec {self.name!r}: weight must be finite, got {self.weight}")
-        if self.timeout_s is not None and not float(self.timeout_s) > 0:
-            raise ValueError(f"RewardSpec {self.name!r}: timeout_s must be > 0 or None, got {self.timeout_s}")
-        if self.isolation not in _ISOLATIONS:
-            raise ValueError(f"RewardSpec {self.name!r}: isolation must be one of {_ISOLATIONS}, got {self.isolation!r}")
-        if not self.low <= self.high:
-            raise ValueError(f"RewardSpec {self.name!r}: need low <= high, got [{self.low}, {self.high}]")
-        if int(self.num_workers) < 1:
-            raise ValueError(f"RewardSpec {self.name!r}: num_workers must be >= 1")
 
 
 def task_reward(task: Task, *, weight: float = 1.0, timeout_s: float = 1.0, name: str | None = None) -> RewardSpec:
@@ -218,8 +163,6 @@ class RewardScorer:
         if len(completions) != B:
             raise ValueError(f"score: {B} prompts but {len(completions)} completions")
         if completion_ids is not None:
-            from .reward_funcs import Completion
-
             if len(completion_ids) != B:
                 raise ValueError(f"score: {B} completions but {len(completion_ids)} completion_ids")
             completions = [Completion(c, ids) for c, ids in zip(completions, completion_ids)]

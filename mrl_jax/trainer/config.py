@@ -12,9 +12,12 @@ from typing import Any, Literal, Optional, Union
 
 from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.grpo import normalize_scale
-from mrl_jax.learner import GRPOConfig
+from mrl_jax.learner import GRPOConfig, make_optimizer
+from mrl_jax.sampling import SamplingConfig
+from mrl_jax.see import ViewShape
 from mrl_jax.probes import RunOptions, make_probe
 from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
+from mrl_jax.trainer.task_spec import TaskSpec
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text", "gpt2")
 TOKENIZER_KINDS = ("byte_bpe", "metaspace_bpe", "unigram", "wordpiece", "char")
@@ -83,6 +86,14 @@ class SamplingSpec:
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(0 <= self.min_p < 1, "min_p", f"must be in [0, 1), got {self.min_p}")
 
+    def build(self, stop_ids: tuple[int, ...], pad_id: int, vocab_size: int = 0) -> SamplingConfig:
+        """The sampler's config: stops at any of ``stop_ids`` (none: never), writes ``pad_id`` after a stop, never
+        picks an id >= ``vocab_size`` (0: any)."""
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p,
+                              eos_id=(stop_ids[0] if len(stop_ids) == 1 else tuple(stop_ids)) or None,
+                              pad_id=pad_id, vocab_size=vocab_size)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
@@ -102,6 +113,11 @@ class OptimizerSpec:
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         check(self.micro_batch_size >= 0, "micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
+
+    def build(self, total_steps: int):
+        """The optax transform over ``total_steps`` updates (the schedule's length; at least past the warm-up)."""
+        return make_optimizer(self.learning_rate, self.weight_decay, self.max_grad_norm, self.warmup_steps,
+                              total_steps=max(total_steps, self.warmup_steps + 1), schedule=self.schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,59 +274,6 @@ class PolicySpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    """The verifiable task."""
-
-    name: Literal["mixture", "arith", "reverse", "jsonl", "dataset", "reasoning_gym"] = field(
-        "mixture", help="mixture = add/rev/copy + a fact table split in parts A and B; arith = 2-digit addition; "
-                        "reverse = string reversal; jsonl = a local file; dataset = a local file or save_to_disk "
-                        "directory read by `datasets` (mrl_jax.tasks.dataset); reasoning_gym = generated "
-                        "reasoning-gym datasets")
-    path: Optional[str] = field(None, help="jsonl / dataset: the local file (dataset: parquet, jsonl, json, csv, arrow "
-                                           "or a save_to_disk directory; never the hub)")
-    num_facts: int = field(32, help="mixture: fact table size")
-    seed: int = field(0, help="task generator seed (dataset: seed of the eval_fraction hash split; reasoning_gym: "
-                              "train seed, the eval set uses a seed 1_000_000_007 above it)")
-    format: Literal["auto", "json", "jsonl", "parquet", "csv", "arrow"] = field(
-        "auto", help="dataset: file format (auto = from the extension)")
-    split: Optional[str] = field(None, help="dataset: split of a save_to_disk DatasetDict (default train)")
-    prompt_field: str = field("prompt", help="dataset: prompt column: a string (TRL standard) or messages "
-                                             "[{role: system}?, {role: user}] (TRL conversational)")
-    answer_field: str = field("answer", help="dataset: reference-answer column; every column but the prompt reaches "
-                                             "reward functions as a keyword argument")
-    id_field: Optional[str] = field(None, help="dataset: integer id column (default: row position in the file)")
-    eval_path: Optional[str] = field(None, help="dataset: held-out prompts from this file")
-    eval_split: Optional[str] = field(None, help="dataset: held-out prompts from this split of the directory")
-    eval_fraction: float = field(0.1, help="dataset: held-out fraction of the rows (seeded hash of the prompt) when "
-                                           "neither eval_path nor eval_split is given")
-    system_prompt: Optional[str] = field(None, help="dataset: text written before every prompt (blank line between)")
-    verifier: Literal["math_verify", "gsm8k", "exact"] = field(
-        "math_verify", help="dataset: answer check (math_verify = HF math-verify, run in reward worker processes "
-                            "under reward_timeout_s; gsm8k = the number after ####; exact = stripped equality)")
-    datasets: dict[str, float] = field(default_factory=dict, help="reasoning_gym: {dataset name: weight}")
-    config: dict[str, dict] = field(default_factory=dict, help="reasoning_gym: {dataset name: its config options}")
-    size: int = field(1000, help="reasoning_gym: train prompts generated (eval: eval_prompts of the run)")
-
-    def __post_init__(self):
-        check(self.name != "jsonl" or self.path is not None, "path", "task 'jsonl' needs a path to the .jsonl file")
-        check(self.name != "dataset" or self.path is not None, "path", "task 'dataset' needs a local file or directory")
-        check(self.name != "reasoning_gym" or bool(self.datasets), "datasets",
-              "task 'reasoning_gym' needs {dataset name: weight, ...}")
-        check(0.0 <= self.eval_fraction < 1.0, "eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
-        check(self.size > 0, "size", f"must be > 0, got {self.size}")
-        check(sum(x is not None for x in (self.eval_path, self.eval_split)) <= 1, "eval_path",
-              "give eval_path or eval_split, not both")
-        for key in ("split", "eval_split", "eval_path"):
-            check(self.name == "dataset" or getattr(self, key) is None, key,
-                  f"only task 'dataset' reads it, this task is {self.name!r} (its held-out prompts are its own); "
-                  f"drop task.{key} or use name: dataset")
-        check(self.name != "dataset" or self.eval_path is not None or self.eval_split is not None
-              or self.eval_fraction > 0, "eval_fraction",
-              "0.0 with neither eval_path nor eval_split holds out no rows, so every held-out figure would be of "
-              "nothing; set it > 0 (e.g. 0.1), or give the held-out rows in task.eval_path")
-
-
-@dataclasses.dataclass(frozen=True)
 class SeeSpec:
     """Shared Experience Exchange capacity and success threshold."""
 
@@ -330,6 +293,20 @@ class SeeSpec:
         check(self.max_text_bytes >= 0, "max_text_bytes", f"must be >= 0 (0 = auto), got {self.max_text_bytes}")
         for key in ("peer_rollouts_per_prompt", "peer_successes_per_prompt", "own_successes_per_prompt"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+
+    def view_shape(self) -> ViewShape:
+        """The slots per prompt of every consumer's view."""
+        return ViewShape(peer_rollouts=self.peer_rollouts_per_prompt, peer_successes=self.peer_successes_per_prompt,
+                         own_successes=self.own_successes_per_prompt)
+
+    def build(self, text_bytes: int, completion_length: int, num_policies: int, num_prompts: int):
+        """The empty exchange (`mrl_jax.see.init`): ``capacity`` records of ``text_bytes`` text and
+        ``completion_length`` tokens, for ``num_policies`` producers over ``num_prompts`` prompt ids."""
+        from mrl_jax import see
+
+        return see.init(self.capacity, text_bytes, completion_length, num_policies, num_prompts,
+                        per_prompt_cap=self.per_prompt_cap, success_capacity=self.capacity,
+                        tau=self.success_threshold)
 
 
 @dataclasses.dataclass(frozen=True)

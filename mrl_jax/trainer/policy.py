@@ -18,27 +18,14 @@ from flax import nnx, struct
 from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
+from mrl_jax.learner import make_logp_fn, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, RunOptions, chain, make_probe
 from mrl_jax.rollout import SamplingConfig
+from mrl_jax.see import ViewShape
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
 from mrl_jax.trainer.dynamic_sampling import filter_groups
-
-
-@struct.dataclass
-class ViewShape:
-    """Static layout of a consumer's SEE view slots per prompt (the same for every probe, so every probe
-    compiles the same shapes)."""
-
-    peer_rollouts: int = struct.field(pytree_node=False, default=8)
-    peer_successes: int = struct.field(pytree_node=False, default=2)
-    own_successes: int = struct.field(pytree_node=False, default=1)
-
-    @property
-    def slots(self) -> int:
-        return self.peer_rollouts + self.peer_successes + self.own_successes
 
 
 @struct.dataclass
@@ -273,34 +260,26 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     model = add_lora(spec, model, seed=run.seed * 1000 + index)
     graphdef, params = nnx.split(model)
     opt = spec.optimizer
-    total = run.rounds * spec.grpo.num_iterations
-    optimizer = make_optimizer(opt.learning_rate, opt.weight_decay, opt.max_grad_norm, opt.warmup_steps,
-                               total_steps=max(total, opt.warmup_steps + 1), schedule=opt.schedule)
+    optimizer = opt.build(total_steps=run.rounds * spec.grpo.num_iterations)
     grpo_cfg = spec.grpo.resolved(run.num_generations, spec.sampling.max_new_tokens, spec.sampling.temperature)
     options = RunOptions.of(grpo_cfg, run.see.success_threshold)
     probe = make_probe(spec.probes, options)
     if run.dynamic_sampling.enable:   # DAPO's filter: uniform groups leave the PG loss (trainer.dynamic_sampling)
         probe = chain(filter_groups(options=options), probe)
     update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg)
-    s = spec.sampling
     stops = build_stop_ids(spec, tokenizer)
     model_vocab = model.config.vocab_size
     prompt_format = build_prompt_format(spec, tokenizer)
     warn_about_stops(spec, tokenizer, prompt_format, stops)
-    sampling = SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                              top_p=s.top_p, min_p=s.min_p, eos_id=(stops[0] if len(stops) == 1 else stops) or None,
-                              pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
-                              vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
+    sampling = spec.sampling.build(tuple(stops), pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+                                   vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
     ref_logp = make_logp_fn(graphdef, grpo_cfg, opt.micro_batch_size) if grpo_cfg.beta > 0 and not spec.lora.rank \
         else None  # a LoRA policy's reference (adapters off) is scored inside its update
-    see = run.see
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
                     probe=probe, optimizer=optimizer, update=update_for(opt.micro_batch_size), ref_logp=ref_logp,
                     prompt_format=prompt_format, num_generations=run.num_generations,
-                    view_shape=ViewShape(peer_rollouts=see.peer_rollouts_per_prompt,
-                                         peer_successes=see.peer_successes_per_prompt,
-                                         own_successes=see.own_successes_per_prompt),
-                    prompt_limit=limit, update_for=update_for, slots=s.slots)
+                    view_shape=run.see.view_shape(), prompt_limit=limit, update_for=update_for,
+                    slots=spec.sampling.slots)
     return policy, params
 
 

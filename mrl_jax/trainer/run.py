@@ -9,7 +9,6 @@ run resumed from the checkpoint of round ``r`` continues exactly as an uninterru
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -18,8 +17,7 @@ import numpy as np
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.tasks import (ArithmeticTask, DatasetError, DatasetTask, JsonlTask, Prompt, StringTask, Task,
-                           default_mixture)
+from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
@@ -31,41 +29,8 @@ from mrl_jax.trainer.sft import uniform_draw, warm_start
 
 
 def build_task(cfg: RunConfig) -> Task:
-    t = cfg.task
-    if t.name == "mixture":
-        return default_mixture(t.seed, num_facts=t.num_facts)
-    if t.name == "arith":
-        return ArithmeticTask("add", 2, seed=t.seed)
-    if t.name == "reverse":
-        return StringTask("rev", seed=t.seed)
-    if t.name == "dataset":
-        plain = Path(t.path).is_file()   # a file has one split; a save_to_disk directory may have several
-        for key in ("split", "eval_split"):
-            if plain and getattr(t, key) is not None:
-                raise ConfigError(f"config key 'task.{key}': {t.path} is a plain file, which has no splits (its rows "
-                                  f"are the training set); drop task.{key} and give held-out rows with "
-                                  "task.eval_path (another file) or task.eval_fraction, or point task.path at a "
-                                  "save_to_disk DatasetDict directory")
-        try:
-            task = DatasetTask(t.path, format=t.format, split=t.split, prompt_field=t.prompt_field,
-                               answer_field=t.answer_field, id_field=t.id_field, eval_path=t.eval_path,
-                               eval_split=t.eval_split, eval_fraction=0.0 if (t.eval_path or t.eval_split)
-                               else t.eval_fraction, system_prompt=t.system_prompt, verifier=t.verifier, seed=t.seed)
-            task.train_prompts()   # read now: a bad file is a config error
-            return task
-        except DatasetError as e:
-            raise ConfigError(f"config key 'task': {e}") from None
-    if t.name == "reasoning_gym":
-        from mrl_jax.tasks.reasoning_gym import ReasoningGymConfigError, ReasoningGymTask
-
-        try:
-            return ReasoningGymTask(t.datasets, config=t.config, size=t.size, eval_size=cfg.eval_prompts, seed=t.seed)
-        except ReasoningGymConfigError as e:
-            raise ConfigError(str(e)) from None
-    if not Path(t.path).is_file():
-        raise ConfigError(f"config key 'task.path': {t.path} is not a file (missing, or a directory); give the "
-                          ".jsonl file of {prompt, answer} lines")
-    return JsonlTask(t.path, seed=t.seed)
+    """The run's task: ``cfg.task.build`` with the run's held-out size."""
+    return cfg.task.build(cfg.eval_prompts)
 
 
 def _no_heldout(cfg: RunConfig) -> str:
@@ -190,9 +155,8 @@ class Run:
 
     def _init_see(self) -> see_lib.SEE:
         cfg = self.cfg
-        return see_lib.init(cfg.see.capacity, self._text_bytes, max(p.completion_length for p in self.policies),
-                            len(self.policies), len(self.train_prompts), per_prompt_cap=cfg.see.per_prompt_cap,
-                            success_capacity=cfg.see.capacity, tau=cfg.see.success_threshold)
+        return cfg.see.build(self._text_bytes, max(p.completion_length for p in self.policies), len(self.policies),
+                             len(self.train_prompts))
 
     def place(self, state: RunState) -> RunState:
         """``state`` (e.g. restored from a checkpoint, host arrays) with every policy's arrays on its mesh."""
