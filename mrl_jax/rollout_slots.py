@@ -32,10 +32,10 @@ step the joint-layout attention (one block per slot, no block-table gather).
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
-Several processes: the host loop depends on one scalar flag per chunk, the same on every process, so the calls
-would pair up; not done yet: the programs launched in lockstep (``trainer.placement.lockstep``) and the flag and
-outputs pinned replicated and read from a local shard. Until then the round and evaluation use the static sampler
-there.
+Several processes (``jax.distributed``): the host loop depends on one scalar flag per chunk, a 0-d output every
+device of the mesh holds, so every process of the mesh reads the same flag from its own shard and makes the same
+calls; each program is launched in lockstep (`mrl_jax.mwra.lockstep`). A process outside the mesh runs no chunk;
+the outputs stay the mesh's arrays and every process reads them with ``trainer.placement.fetch``.
 """
 from __future__ import annotations
 
@@ -272,10 +272,36 @@ def _placement(mesh, rows: int, slots: int | None):
         return slot_count(rows, slots), None, jax.device_put
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from mrl_jax.mwra import batch_sharding
+    from mrl_jax import mwra
 
     repl = NamedSharding(mesh, PartitionSpec())
-    return slot_count(rows, slots, int(mesh.devices.size)), batch_sharding(mesh), lambda x: jax.device_put(x, repl)
+    return slot_count(rows, slots, int(mesh.devices.size)), mwra.batch_sharding(mesh), lambda x: mwra.put(x, repl)
+
+
+_PROGRAMS: dict = {}
+
+
+def _programs(graphdef, config: SamplingConfig, g: int, s: int, width: int, chunk: int, a: int, rows):
+    """(start, chunk, finish) of one sampler shape: jitted once per process (memoised) and, on a mesh spanning
+    processes, launched in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
+    key = (graphdef, config, g, s, width, chunk, a, rows)
+    if key not in _PROGRAMS:
+        from mrl_jax.mwra import lockstep
+
+        def start(params, ids, mask, k):
+            return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=s, width=width, rows=rows)
+
+        def step(params, prompts, state):
+            return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
+
+        def finish(state):   # the Rollout, rows split as the round's rows are
+            return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
+                           mask=state.mask, lengths=state.mask.sum(-1, dtype=jnp.int32), truncated=~state.ended), state.t
+
+        wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
+                                                                                               jax.jit(f, **kw)))
+        _PROGRAMS[key] = (wrap(start), wrap(step, donate_argnums=(2,)), wrap(finish))
+    return _PROGRAMS[key]
 
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
@@ -283,7 +309,9 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
                  mesh=None):
     """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
     program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
-    is (Rollout of host arrays, stats)."""
+    is (Rollout of host arrays, stats). On a mesh spanning processes every process of the mesh runs the same
+    chunks (the flag is the same everywhere) and the value is (Rollout of the mesh's arrays, None): read it with
+    ``trainer.placement.fetch`` on every process, in the same order."""
     if int(chunk) < 1:
         raise ValueError(f"generate_slots: chunk must be >= 1, got {chunk}")
     p, tp = np.shape(prompt_ids)
@@ -293,30 +321,34 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    gen = _drive_slots(graphdef, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key),
-                       config, g, s, int(chunk), a, width, rows, b)
+    programs = _programs(graphdef, config, g, s, width, int(chunk), a, rows)
+    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), s, b,
+                       mesh)
     next(gen)
     return gen
 
 
-def _drive_slots(graphdef, params, ids, mask, key, config, g, s, chunk, a, width, rows, b):
-    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last flag is read."""
-    with splash.on_mesh(None if rows is None else rows.mesh):   # the prefill's TPU kernel, placed on the mesh
-        prompts, state, busy = _start(graphdef, params, ids, mask, key, config, num_samples=g, slots=s, width=width,
-                                      rows=rows)
+def _drive_slots(programs, params, ids, mask, key, s: int, b: int, mesh):
+    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last flag is read.
+    A process holding none of the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
+    start, step, finish = programs
+    with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
+        prompts, state, busy = start(params, ids, mask, key)
     yield
-    steps = []   # decode steps each chunk ran (device scalars, read at the end)
-    while bool(jax.device_get(busy)):
-        state, busy, k = _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
-        steps.append(k)
+    spanning = jax.process_count() > 1 and mesh is not None
+    here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
+    chunks = 0
+    while here and bool(np.asarray(busy.addressable_data(0))):   # a scalar: every device of the mesh holds it
+        state, busy, _ = step(params, prompts, state)
+        chunks += 1
         yield
     shard = state.cache.gk[0].sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
-    tokens, logps, mask_, ended, steps = jax.device_get((state.tokens, state.logps, state.mask, state.ended, steps))
-    out = Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask_,
-                  lengths=mask_.sum(-1, dtype=np.int32), truncated=~ended)
-    decode = int(sum(int(k) for k in steps))
-    return out, {"row_steps": b + s * decode, "decode_steps": decode, "chunks": len(steps), "slots": s,
+    out, decode = finish(state)
+    if spanning:
+        return out, None
+    out, decode = jax.device_get((out, decode))
+    return out, {"row_steps": b + s * int(decode), "decode_steps": int(decode), "chunks": chunks, "slots": s,
                  "slot_devices": split}
 
 

@@ -38,7 +38,7 @@ import worker_result  # noqa: E402
 
 soak.enable_compile_cache()
 
-from mrl_jax import mwra  # noqa: E402
+from mrl_jax import mwra, rollout_slots  # noqa: E402
 from mrl_jax.tasks import RewardScorer  # noqa: E402
 from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
 from mrl_jax.trainer.loop import Run, train  # noqa: E402
@@ -117,7 +117,10 @@ def main(root: Path) -> dict:
         with jax.transfer_guard("disallow"):
             pol = run.policies[0]
             ids = np.zeros((4, 3), np.int32)
-            pol.rollout(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
+            start, _, _ = rollout_slots._programs(pol.graphdef, pol.sampling, pol.num_generations,
+                                                  4 * pol.num_generations, 3, rollout_slots.CHUNK, 8,
+                                                  mwra.batch_sharding(pol.mesh))   # the sampler's pinned prefill
+            start(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
         res["guard_catches_implicit"] = False
     except Exception as e:  # noqa: BLE001
         res["guard_catches_implicit"] = "transfer" in str(e).lower() or "disallow" in str(e).lower()
@@ -256,8 +259,10 @@ def timeshare(root: Path) -> dict:
 
 def mp_config():
     """8 global devices (4 per process): llama_bpe on the first 6 (all of process 0's and 2 of process 1's: a
-    mesh spanning both processes), gpt2_uni on the last 2 (inside process 1)."""
+    mesh spanning both processes; 6 sampler slots, fewer than its rows, so rows enter as slots free across the
+    processes), gpt2_uni on the last 2 (inside process 1)."""
     d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2,
+                                       "policies.0.sampling.slots": 6,
                                        "policies.0.grpo": {"beta": 0.04}})   # a KL reference on the spanning mesh
     d["mwra"] = dict(MWRA)
     d["report_to"] = ["jsonl"]

@@ -245,8 +245,8 @@ def _metrics_close(a: Path, b: Path, tol: float = 1e-5) -> None:
 
 def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     """`mrl train` under jax.distributed: 2 local CPU processes x 4 forced devices (gloo, 10 s heartbeat);
-    llama_bpe's mesh (with a KL reference) spans both processes (6 devices: 4 + 2), gpt2_uni's lies inside
-    process 1 (2 devices).
+    llama_bpe's mesh (with a KL reference and the slot sampler at 6 slots, fewer than its rows) spans both
+    processes (6 devices: 4 + 2), gpt2_uni's lies inside process 1 (2 devices).
     Process 1 is killed (-9) after the first checkpoint: process 0 prints one line naming it, the intact
     checkpoint and the resume, and exits with `mwra.LOST_EXIT_CODE`. Both resumed to 3 rounds equal an
     uninterrupted single-process 8-device run: the same records (no duplicate, none missing), final params

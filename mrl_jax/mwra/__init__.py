@@ -14,7 +14,8 @@ from mrl_jax.mwra.allocation import (
     plan,
     proportional_split,
 )
-from mrl_jax.mwra.distributed import LOST_EXIT_CODE, DistributedInfo, barrier, initialize_distributed, watch_run
+from mrl_jax.mwra.distributed import (LOST_EXIT_CODE, DistributedInfo, barrier, initialize_distributed, lockstep, owners,
+                                      watch_run)
 from mrl_jax.mwra.sharding import (
     DEFAULT_MIN_SIZE,
     DEFAULT_RULES,
@@ -33,6 +34,7 @@ from mrl_jax.mwra.sharding import (
 )
 
 __all__ = [
+    "lockstep", "owners",
     "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "LOST_EXIT_CODE", "REPLICATED",
     "DistributedInfo", "Plan", "PlanError", "PolicyPlan", "allocate", "barrier", "batch_sharding", "batch_shardings",
     "devices_of",

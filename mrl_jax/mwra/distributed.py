@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -196,6 +197,42 @@ def barrier(name: str, process_ids=None, timeout_s: float = 3600.0) -> None:
         if _WATCH["thread"] is not None:   # a lost process: let the watchdog say so (and exit) first
             _WATCH["thread"].join(timeout=10)
         raise
+
+
+def owners(mesh) -> list[int]:
+    """The processes whose devices ``mesh`` holds."""
+    return sorted({d.process_index for d in mesh.devices.flat})
+
+
+def _signature(args) -> tuple:
+    """What a jitted function's program depends on: the tree and each leaf's shape, dtype and sharding."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else repr(x)
+                       for x in leaves)
+
+
+def lockstep(mesh, fn: Callable) -> Callable:
+    """``fn`` (jitted) itself on a mesh inside one process. On a mesh spanning processes: compiled ahead of time
+    per input signature, then launched by every process of the mesh after a barrier (`mwra.barrier`): the CPU
+    collectives (gloo) of one program must start on all its processes within their connect timeout (~30 s),
+    which processes that compile at different speeds (or hit the compile cache unevenly) would miss. Every
+    process makes the same calls in the same order (docs/multihost.md), so the barriers pair up."""
+    procs = owners(mesh)
+    if len(procs) < 2 or jax.process_count() == 1:   # (one process compiling for a multi-host TPU topology)
+        return fn
+    compiled: dict = {}
+
+    def call(*args):
+        if jax.process_index() not in procs:   # nothing of it runs here
+            return fn(*args)
+        key = _signature(args)
+        exe = compiled.get(key)
+        if exe is None:
+            exe = compiled[key] = fn.lower(*args).compile()
+        barrier("mrl.lockstep", procs)
+        return exe(*args)
+
+    return call
 
 
 LOST_EXIT_CODE = 75   # a process of the run was lost: resume every process (EX_TEMPFAIL)

@@ -7,11 +7,9 @@ against the compiled steps (`mrl_jax.trainer.memory.plan_memory`).
 
 `Placement.place(i, state)` puts policy i's params, optimizer state and reference params (when held) on
 its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FSDP for large leaves,
-replicated below ``mwra.min_size`` elements). `pin_policy` gives the policy its mesh-pinned steps:
+replicated below ``mwra.min_size`` elements). The sampler is the slot sampler on the mesh (`mesh_generate`;
+the round drives it itself); `pin_policy` gives the policy its mesh-pinned steps:
 
-* ``rollout(params, prompt_ids, prompt_mask, key)``: `mrl_jax.rollout.generate` with ``num_samples=G``, the
-  prompt rows sharded over the data axis (the caller pads them to a multiple of the mesh size, see `pad_rows`), the
-  outputs row-sharded on the same mesh;
 * ``update(params, opt_state, batch, view, key)``: the policy's update with params / opt state kept as
   placed (``out_shardings``) and donated; the batch and view are put on the mesh explicitly by the round
   (rows sharded where they divide the data axis, replicated otherwise -- own GRPO rows cannot be padded
@@ -37,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import splash
-from mrl_jax.rollout import generate
-from mrl_jax.rollout_slots import generate_slots
+from mrl_jax.mwra import lockstep, owners
+from mrl_jax.rollout_slots import drive, slot_rollout
 
 def config_rules(rules: Sequence[Sequence[Any]]) -> tuple:
     """``mwra.rules`` from the config (``[[regex, 'fsdp' | 'replicated' | [axes...]], ...]``) followed by the
@@ -181,11 +179,6 @@ def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.nd
             np.concatenate([mask, np.repeat(mask[-1:], extra, 0)]))
 
 
-def owners(mesh: Mesh) -> list[int]:
-    """The processes whose devices ``mesh`` holds."""
-    return sorted({d.process_index for d in mesh.devices.flat})
-
-
 def fetch(mesh: Optional[Mesh], tree):
     """``tree``'s arrays as host numpy on *every* process (all processes call it, in the same order).
 
@@ -223,80 +216,26 @@ def _replicate(mesh: Mesh) -> Callable:
     return fn
 
 
-def _signature(args) -> tuple:
-    """What a jitted function's program depends on: the tree and each leaf's shape, dtype and sharding."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else repr(x)
-                       for x in leaves)
-
-
-def lockstep(mesh: Mesh, fn: Callable) -> Callable:
-    """``fn`` (jitted) itself on a mesh inside one process. On a mesh spanning processes: compiled ahead of time
-    per input signature, then launched by every process of the mesh after a barrier (`mwra.barrier`): the CPU
-    collectives (gloo) of one program must start on all its processes within their connect timeout (~30 s),
-    which processes that compile at different speeds (or hit the compile cache unevenly) would miss. Every
-    process makes the same calls in the same order (docs/multihost.md), so the barriers pair up."""
-    procs = owners(mesh)
-    if len(procs) < 2 or jax.process_count() == 1:   # (one process compiling for a multi-host TPU topology)
-        return fn
-    compiled: dict = {}
-
-    def call(*args):
-        if jax.process_index() not in procs:   # nothing of it runs here
-            return fn(*args)
-        key = _signature(args)
-        exe = compiled.get(key)
-        if exe is None:
-            exe = compiled[key] = fn.lower(*args).compile()
-        mwra.barrier("mrl.lockstep", procs)
-        return exe(*args)
-
-    return call
-
-
-_MESH_GENERATE: dict = {}
-
-
-def _mesh_rollout(mesh: Mesh, graphdef, sampling, num_samples: int) -> Callable:
-    """``(params, prompt_ids, prompt_mask, key) -> Rollout`` jitted with row-sharded outputs on ``mesh``; one per
-    (mesh, graph, sampling, G) in the process, so runs built again (demo: one per probe and seed) reuse it."""
-    cache_key = (mesh, graphdef, sampling, int(num_samples))
-    fn = _MESH_GENERATE.get(cache_key)
-    if fn is None:
-        G = int(num_samples)
-        def sample(p, i, m, k):
-            with splash.on_mesh(mesh):
-                return generate(graphdef, p, i, m, k, sampling, num_samples=G)
-        fn = lockstep(mesh, jax.jit(sample, out_shardings=mwra.batch_sharding(mesh)))
-        _MESH_GENERATE[cache_key] = fn
-    return fn
-
-
 def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarray, key, sampling,
                   num_samples: int = 1):
-    """`generate` of ``policy`` on its mesh from host prompts, fetched to the host on every process (see
-    `fetch`): rows padded to the data axis and trimmed again. For evaluation and other off-round sampling."""
+    """The slot sampler (`rollout_slots`) of ``policy`` on its mesh from host prompts, fetched to the host on every
+    process (see `fetch`): rows padded to the data axis and trimmed again. For evaluation and other off-round
+    sampling."""
     mesh = policy.mesh
     P = prompt_ids.shape[0]
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
-    if jax.process_count() == 1:   # the slot sampler (its chunks are not launched in lockstep across processes)
-        out, _ = generate_slots(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
-                                slots=getattr(policy, "slots", None),
-                                width=max(getattr(policy, "slot_width", 0), ids.shape[1]), mesh=mesh)
-        return jax.tree.map(lambda x: x[:P * int(num_samples)], out)
-    fn = _mesh_rollout(mesh, policy.graphdef, sampling, num_samples)
-    rows = mwra.batch_sharding(mesh)
-    out = fn(params, mwra.put(ids, rows), mwra.put(mask, rows), mwra.put(key, NamedSharding(mesh, mwra.REPLICATED)))
+    out, = drive([slot_rollout(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
+                               slots=getattr(policy, "slots", None),
+                               width=max(getattr(policy, "slot_width", 0), ids.shape[1]), mesh=mesh)])
     return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
 
 
-def pin_policy(policy, mesh: Mesh, state_shardings, num_generations: int):
+def pin_policy(policy, mesh: Mesh, state_shardings):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
-    rollout = _mesh_rollout(mesh, policy.graphdef, policy.sampling, num_generations)
     update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
     ref_logp = None if policy.ref_logp is None else lockstep(mesh, jax.jit(on_mesh(mesh, policy.ref_logp)))
-    return dataclasses.replace(policy, mesh=mesh, rollout=rollout, update=update, ref_logp=ref_logp)
+    return dataclasses.replace(policy, mesh=mesh, update=update, ref_logp=ref_logp)
 
 
 def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:

@@ -1,5 +1,5 @@
 """A policy of an MRL run: one record of its static parts (spec, tokenizer, prompt format, sampler, mesh,
-jitted rollout / update / reference steps, SEE view layout) and its state (params, optimizer state, reference),
+jitted update / reference steps, SEE view layout) and its state (params, optimizer state, reference),
 built from a ``PolicySpec``.
 
 ``Policy`` holds only what never changes during a run (hashable config, compiled functions); the
@@ -52,7 +52,6 @@ class Policy:
     ref_logp: Optional[Callable] = None  # (ref_params, own Rows) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
     mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
-    rollout: Optional[Callable] = None  # (params, prompt_ids, prompt_mask, key) -> Rollout, jitted for ``mesh``
     num_generations: int = 1  # G: completions per prompt
     view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)

@@ -150,17 +150,12 @@ def _replicated(pol: Policy, x):
 
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout on its mesh (not awaited): prompt rows padded to a multiple of the data
-    axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly. One
-    process: the slot sampler (``rollout_slots``: a generator that `drive` steps; ``pol.slots`` slots over the
-    data axis, rows admitted as slots free); several: the pinned static sampler (the slot sampler's chunks are
-    not yet launched in lockstep across processes)."""
+    axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly; the slot
+    sampler (``rollout_slots``: a generator that `drive` steps; ``pol.slots`` slots over the data axis, rows
+    admitted as slots free), on one process or several."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
-    if jax.process_count() == 1:
-        return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling,
-                            num_samples=pol.num_generations, slots=pol.slots,
-                            width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh)
-    rows = mwra.batch_sharding(pol.mesh)
-    return pol.rollout(ps.params, mwra.put(pids, rows), mwra.put(pmask, rows), _replicated(pol, key))
+    return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
+                        slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh)
 
 
 def _trim(out, rows: int):

@@ -109,8 +109,8 @@ class Run:
         if place:
             self.placement = make_placement(cfg, [param_count(s) for s in self._abstract], self._mean_prompt_tokens(),
                                             devices)
-            self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]),
-                                        cfg.num_generations) for i, p in enumerate(self.policies)]
+            self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]))
+                             for i, p in enumerate(self.policies)]
 
     @property
     def prompt_limits(self) -> list[int]:
