@@ -138,6 +138,18 @@ def _constrain(state: _State, rows) -> _State:
                          step=c(state.step, rows), tok=c(state.tok, rows))
 
 
+def _prompt_split(rows, p: int):
+    """Constrain a [P, ...] leaf (prefill input, prompt store) split over ``rows``' data axes when they divide P
+    (the round pads P to the mesh size): each device prefills and stores P / d prompts, not all P; the admits
+    gather the rows they need. Identity without ``rows`` or where P does not divide."""
+    if rows is None:
+        return lambda x: x
+    axes = rows.spec[0] if isinstance(rows.spec[0], tuple) else (rows.spec[0],)
+    if p % int(np.prod([rows.mesh.shape[a] for a in axes])):
+        return lambda x: x
+    return lambda x: jax.lax.with_sharding_constraint(x, rows)
+
+
 def _busy(p: _Prompts, st: _State):
     return jnp.any(st.row >= 0) | (st.ptr < p.count)
 
@@ -220,7 +232,9 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     if getattr(mcfg, "family", None) == "gpt2" and tp + n > mcfg.max_position_embeddings:
         raise ValueError(f"generate_slots: prompt length {tp} + max_new_tokens {n} exceeds GPT-2's "
                          f"{mcfg.max_position_embeddings} learned positions")
-    pk, pv, ppos, plen, h = _prefill(model, prompt_ids, prompt_mask, width)
+    split = _prompt_split(rows, p)
+    prompt_ids, prompt_mask = split(prompt_ids), split(prompt_mask)
+    pk, pv, ppos, plen, h = jax.tree.map(split, _prefill(model, prompt_ids, prompt_mask, width))
     logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)   # [B, V]
     u = None if config.is_greedy else row_uniforms(key, b, n)
     tok0, lp, slp = sample_rows(logits, None if u is None else u[:, 0].T[..., None], config)
