@@ -41,6 +41,28 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"config key '{key}': {message}")
 
 
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message``."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def import_attribute(module: str, attr: str, where: str):
+    """``module``'s (dotted) attribute ``attr``; ValueError starting ``where:`` (one line) when the module does
+    not import or has no such attribute. How config values name code (``package.module:name``)."""
+    import importlib
+
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 -- ImportError and whatever the module raises on import
+        raise ValueError(f"{where}: cannot import {module!r} ({one_line(e)}); put it on PYTHONPATH or "
+                         "install it") from None
+    for name in attr.split("."):
+        if not hasattr(obj, name):
+            raise ValueError(f"{where}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, name)
+    return obj
+
+
 def config_warning(key: str, message: str) -> None:
     """One line on stderr for a config that runs but probably not as meant: ``warning: config key '...': ...``."""
     print(f"warning: config key '{key}': {message}", file=sys.stderr, flush=True)

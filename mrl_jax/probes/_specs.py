@@ -6,13 +6,13 @@ over several chains)."""
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
 
 from mrl_jax import grpo
+from mrl_jax.configs import import_attribute, one_line
 from mrl_jax.probes._kinds import prp, replay, sgt, xgrpo
 from mrl_jax.probes._probe import Probe, RunOptions, chain, none
 from mrl_jax.rows import PER_ROW
@@ -48,24 +48,12 @@ def import_path(part: str) -> Optional[tuple[str, str, str]]:
     return None
 
 
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-
 def load_factory(module: str, attr: str, spec: str) -> Callable[..., Probe]:
     """The callable ``module:attr`` (dotted attributes allowed); ValueError (one line, naming ``spec``) when it
     does not import, is missing or is not callable."""
     if not module or not attr:
         raise ValueError(f"probe {spec!r} is not 'package.module:factory[:key=value,...]'")
-    try:
-        obj = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 -- ImportError and whatever the module raises on import
-        raise ValueError(f"probe {spec!r}: cannot import {module!r} ({_one_line(e)}); put it on PYTHONPATH or "
-                         "install it") from None
-    for name in attr.split("."):
-        if not hasattr(obj, name):
-            raise ValueError(f"probe {spec!r}: module {module!r} has no {attr!r}")
-        obj = getattr(obj, name)
+    obj = import_attribute(module, attr, f"probe {spec!r}")
     if not callable(obj):
         raise ValueError(f"probe {spec!r}: {module}:{attr} is a {type(obj).__name__}, not a probe factory "
                          "fn(options, **kwargs) -> Probe")
@@ -84,7 +72,7 @@ def _external(spec: str, path: tuple[str, str, str], options: Optional[RunOption
             sig = f"{attr}{inspect.signature(factory)}"
         except (TypeError, ValueError):
             sig = attr
-        raise ValueError(f"bad options for probe {spec.strip()!r} ({_one_line(e)}); the factory is {sig}") from None
+        raise ValueError(f"bad options for probe {spec.strip()!r} ({one_line(e)}); the factory is {sig}") from None
     if not isinstance(probe, Probe):
         raise ValueError(f"probe {spec.strip()!r}: {module}:{attr} returned a {type(probe).__name__}, not a "
                          "mrl_jax.probes.Probe (return Probe(name, extend, advantages, loss_terms, ..., options=options))")

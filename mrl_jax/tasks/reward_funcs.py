@@ -18,10 +18,11 @@ Built-ins: ``accuracy`` -- the task's verifier (its value is also the run's *suc
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
+
+from mrl_jax.configs import import_attribute
 
 from .base import Prompt, Task
 from .reward_spec import Completion, RewardSpec
@@ -37,15 +38,7 @@ def resolve_function(path: str, key: str = "rewards") -> Callable:
     mod_name, sep, attr = str(path).partition(":")
     if not sep or not mod_name or not attr:
         raise ValueError(f"config key '{key}': {path!r} is not 'package.module:function'")
-    try:
-        obj = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 -- ImportError and whatever the module raises on import
-        raise ValueError(f"config key '{key}': cannot import {mod_name!r} ({type(e).__name__}: {e}); put it on "
-                         "PYTHONPATH or install it") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"config key '{key}': module {mod_name!r} has no {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_attribute(mod_name, attr, f"config key '{key}'")
     if not callable(obj):
         raise ValueError(f"config key '{key}': {path!r} is a {type(obj).__name__}, not a function")
     return obj
