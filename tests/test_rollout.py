@@ -354,7 +354,9 @@ def test_padding_rows_do_not_change_the_real_rows(llama, extra):
     assert padded.tokens.shape[0] == rows + extra * G_SAMPLES
     for field in ("tokens", "mask", "lengths", "truncated"):
         np.testing.assert_array_equal(np.asarray(getattr(padded, field))[:rows], np.asarray(getattr(base, field)))
-    np.testing.assert_allclose(np.asarray(padded.logprobs)[:rows], np.asarray(base.logprobs), atol=1e-6)
+    # Log-probs to float32 rounding: another batch size changes XLA:CPU's matmul blocking, so the same row's
+    # logits can differ in the last bits (seen: 1.4e-6 on a log-prob of -4.08); the tokens above are exact.
+    np.testing.assert_allclose(np.asarray(padded.logprobs)[:rows], np.asarray(base.logprobs), atol=1e-5, rtol=1e-5)
     u = np.asarray(ro.row_uniforms(key, rows + 2, N_NEW))
     np.testing.assert_array_equal(u[:rows], np.asarray(ro.row_uniforms(key, rows, N_NEW)))
     np.testing.assert_array_equal(u[4], np.asarray(jax.random.uniform(jax.random.fold_in(key, 4), (N_NEW, 2))))
