@@ -164,6 +164,7 @@ def bench_family(family: str, s: dict) -> dict:
         assert out.tokens.shape == (b, n), out.tokens.shape
         return out
 
+    slots_fn = _slots_fn(graphdef, params, ids, mask, key, cfg, g) if shared else None
     tids, tmask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
 
     def hf_fn():
@@ -183,11 +184,15 @@ def bench_family(family: str, s: dict) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     hf_fn()
-    ours_t, hf1_t = [], []
+    if slots_fn is not None:
+        slots_compile_s = _once(slots_fn)
+    ours_t, hf1_t, slots_t = [], [], []
     hf_by_threads = {}
     with section(f"{family}_b{b}") as load:
         for _ in range(s["repeats"]):
             ours_t.append(_once(ours_fn))
+            if slots_fn is not None:
+                slots_t.append(_once(slots_fn))
             hf1_t.append(_once(hf_fn))
         hf_by_threads[1] = min(hf1_t)
         if default_threads != 1:
@@ -213,9 +218,25 @@ def bench_family(family: str, s: dict) -> dict:
         "hf_seconds_all_1_thread": hf1_t,
         "hf_seconds_by_torch_threads": hf_by_threads,
         "ours_first_call_seconds_incl_compile": compile_s,
+        **({"slots_tokens_per_s": b * n / min(slots_t), "slots_vs_static": ours_s / min(slots_t),
+            "slots_seconds_all": slots_t, "slots_first_call_seconds_incl_compile": slots_compile_s}
+           if slots_t else {}),
         "load": load,
         "contended": load["contended"],
     }
+
+
+def _slots_fn(graphdef, params, ids, mask, key, cfg, g: int):
+    """The trainer's sampler on the same work: the slot sampler at S = every row (its default), a fresh key per
+    call (GRPO's layout: an in-process A/B with the static ``generate``)."""
+    import jax
+
+    from mrl_jax.rollout_slots import generate_slots
+
+    def fn():
+        key[0], k = jax.random.split(key[0])
+        return generate_slots(graphdef, params, ids, mask, k, cfg, num_samples=g)[0]   # host arrays: done
+    return fn
 
 
 def _timed(fns: dict, repeats: int) -> dict:

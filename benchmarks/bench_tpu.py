@@ -7,13 +7,14 @@ per-device ``memory_analysis()`` (exact, load-independent) and each program's co
 load is printed beside it). Case ``a`` compiles the update alone (as ``bench_memory.py``) with our attention
 and with the splash kernels.
 
-    python benchmarks/bench_tpu.py --cases a,b,c,d        # RESULTS section 9
+    python benchmarks/bench_tpu.py --cases a,b,c,d,e      # RESULTS section 10
     python benchmarks/bench_tpu.py --cases c --work /tmp/tpu_shapes
 
   a  Qwen2.5-0.5B update, 16 x (256 + 4096), remat full, bf16: ours (blockwise) vs splash, one chip of v5e / v5p / v6e
   b  experiments/configs/real_checkpoints.yaml (Qwen2.5-0.5B + SmolLM2-360M, 64 x G 8, 512 + 512) on v5e-8
   c  Qwen3-1.7B + Llama-3.2-1B, 64 prompts x G 8, 1024 + 2048 tokens, on v5e-8
   d  Llama-3.1-8B alone, 8-way FSDP (v5p-16: 8 chips), 16 prompts x G 8, 1024 + 1024
+  e  Llama-3.1-8B LoRA (bf16 base), 64 prompts x G 8, 1024 + 4096, on v5e-8: the slot count S the plan picks
 """
 from __future__ import annotations
 
@@ -88,11 +89,12 @@ def long_prompts(work: Path, n: int = 256) -> Path:
     return path
 
 
-def policy(work: Path, name: str, shape: str, Tp: int, Tc: int, micro_batch: int = 0, probes: str = "xgrpo+sgt") -> dict:
+def policy(work: Path, name: str, shape: str, Tp: int, Tc: int, micro_batch: int = 0, probes: str = "xgrpo+sgt",
+           lora_rank: int = 0) -> dict:
     return {"name": name, "model": {"path": str(shape_dir(work, shape)), "dtype": "bfloat16", "remat": "full"},
             "max_prompt_length": Tp, "sampling": {"max_new_tokens": Tc},
             "optimizer": {"learning_rate": 1e-6, "micro_batch_size": micro_batch}, "grpo": dict(_GRPO),
-            "probes": probes}
+            "probes": probes, "lora": {"rank": lora_rank, "alpha": 2 * max(lora_rank, 1)}}
 
 
 def run_config(work: Path, policies: list, P: int, G: int) -> dict:
@@ -195,7 +197,14 @@ def case_d(work: Path) -> dict:
                                      16, 8), "v5p-16")
 
 
-CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d}
+def case_e(work: Path) -> dict:
+    """The slots issue's shape: the sampler's KV cache at every row (512 x 5120 tokens x 128 KiB) is ~320 GiB,
+    so the plan picks S; the update micro-batched (8 rows) over a LoRA policy on the bf16 base."""
+    pol = policy(work, "llama3_1_8b", "llama-3.1-8b", 1024, 4096, micro_batch=8, probes="none", lora_rank=16)
+    return plan_case("e", run_config(work, [pol], 64, 8), "v5e-8")
+
+
+CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e}
 
 
 def run(quick: bool = False, work: Path | None = None) -> dict:

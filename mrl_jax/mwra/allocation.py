@@ -242,6 +242,39 @@ def plan(
 
         devices = jax.devices()
     devices = _sort_devices(list(devices))
+    axis_names = tuple(axis_names)
+    names = [f"policy{i}" for i in range(n)] if names is None else [str(s) for s in names]
+    _check_arguments(n, devices, axis_names, time_share, names, param_counts, activation_bytes, memory_bytes)
+
+    ids = [d.id for d in devices]
+    mode, groups = _groups(costs, ids, names, time_share, assign, getattr(devices[0], "platform", None) == "tpu")
+    mem = dev_mem = None
+    if param_counts is not None:
+        mem = [estimate_memory_bytes(param_counts[i], len(groups[i]),
+                                     None if activation_bytes is None else activation_bytes[i]) for i in range(n)]
+        dev_mem = {i: 0 for i in ids}
+        for k, g in enumerate(groups):
+            for i in g:
+                dev_mem[i] += mem[k]
+
+    policies = tuple(PolicyPlan(
+        index=k, name=names[k], cost=costs[k], device_ids=tuple(g),
+        mesh_shape=(len(g),) + (1,) * (len(axis_names) - 1),
+        param_count=None if param_counts is None else int(param_counts[k]),
+        memory_bytes_per_device=None if mem is None else mem[k],
+        shares_with=tuple(names[m] for m in range(n) if m != k and set(groups[m]) & set(g)))
+        for k, g in enumerate(groups))
+    if memory_bytes is not None:
+        _check_fit(policies, dev_mem, memory_bytes, activation_bytes, mode)
+    return Plan(policies=policies, axis_names=axis_names, mode=mode, num_devices=len(devices),
+                platform=getattr(devices[0], "platform", "unknown"),
+                memory_limit_bytes=None if memory_bytes is None else int(memory_bytes),
+                device_memory_bytes=dev_mem, _devices=tuple(devices))
+
+
+def _check_arguments(n: int, devices: list, axis_names: tuple, time_share: str, names: list, param_counts,
+                     activation_bytes, memory_bytes) -> None:
+    """`plan`'s argument checks: ValueError naming the argument and the fix."""
     if not devices:
         raise ValueError("no devices to allocate: pass devices=jax.devices() (or check JAX_PLATFORMS / "
                          "that the accelerator is visible)")
@@ -249,10 +282,8 @@ def plan(
         raise ValueError("devices contains duplicates: pass each device once")
     if time_share not in TIME_SHARE_MODES:
         raise ValueError(f"time_share={time_share!r}: use one of {TIME_SHARE_MODES}")
-    axis_names = tuple(axis_names)
     if not axis_names or len(set(axis_names)) != len(axis_names):
         raise ValueError(f"axis_names={axis_names!r}: give at least one, all distinct (e.g. ('data',))")
-    names = [f"policy{i}" for i in range(n)] if names is None else [str(s) for s in names]
     for label, seq in (("names", names), ("param_counts", param_counts), ("activation_bytes", activation_bytes)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{label} has {len(seq)} entries for {n} costs: give one per policy")
@@ -266,78 +297,52 @@ def plan(
         if param_counts is None:
             raise ValueError("memory_bytes needs param_counts (one per policy) to estimate each policy's memory")
 
-    D = len(devices)
-    ids = [d.id for d in devices]
-    tpu = getattr(devices[0], "platform", None) == "tpu"
+
+def _groups(costs: list, ids: list, names: list, time_share: str, assign, tpu: bool) -> tuple[str, list]:
+    """(mode, per-policy device id lists): the assigned groups, disjoint slices sized by cost, or time sharing
+    (every policy on all devices, or each on the least loaded one, costliest first) when devices < policies."""
+    n, D = len(costs), len(ids)
     if assign is not None and any(a is not None for a in assign):
         if len(assign) != n:
             raise ValueError(f"assign has {len(assign)} entries for {n} costs: give one per policy (None = by cost)")
-        mode, groups = "disjoint", _assigned_groups(assign, ids, costs, names, tpu)
-    elif D >= n:
-        mode = "disjoint"
+        return "disjoint", _assigned_groups(assign, ids, costs, names, tpu)
+    if D >= n:
         sizes = proportional_split(costs, D)
         sizes = tpu_mesh_sizes(sizes, costs) if tpu else sizes
-        groups, start = [], 0
-        for s in sizes:
-            groups.append(ids[start:start + s])
-            start += s
-    elif time_share == "full":
-        mode = "time_share:full"
-        groups = [list(ids) for _ in range(n)]
-    else:
-        mode = "time_share:pack"
-        load = [0.0] * D
-        groups = [None] * n
-        for i in sorted(range(n), key=lambda k: (-costs[k], k)):
-            j = min(range(D), key=lambda k: (load[k], k))
-            load[j] += costs[i]
-            groups[i] = [ids[j]]
+        starts = [sum(sizes[:k]) for k in range(n)]
+        return "disjoint", [ids[a:a + s] for a, s in zip(starts, sizes)]
+    if time_share == "full":
+        return "time_share:full", [list(ids) for _ in range(n)]
+    load, groups = [0.0] * D, [None] * n
+    for i in sorted(range(n), key=lambda k: (-costs[k], k)):
+        j = min(range(D), key=lambda k: (load[k], k))
+        load[j] += costs[i]
+        groups[i] = [ids[j]]
+    return "time_share:pack", groups
 
-    mem = None
-    if param_counts is not None:
-        mem = [estimate_memory_bytes(param_counts[i], len(groups[i]),
-                                     None if activation_bytes is None else activation_bytes[i]) for i in range(n)]
-    dev_mem = None
-    if mem is not None:
-        dev_mem = {i: 0 for i in ids}
-        for k, g in enumerate(groups):
-            for i in g:
-                dev_mem[i] += mem[k]
 
-    policies = []
-    for k, g in enumerate(groups):
-        shares = tuple(names[m] for m in range(n) if m != k and set(groups[m]) & set(g))
-        policies.append(PolicyPlan(
-            index=k, name=names[k], cost=costs[k], device_ids=tuple(g),
-            mesh_shape=(len(g),) + (1,) * (len(axis_names) - 1),
-            param_count=None if param_counts is None else int(param_counts[k]),
-            memory_bytes_per_device=None if mem is None else mem[k], shares_with=shares))
-
-    if memory_bytes is not None:
-        for dev_id, used in dev_mem.items():
-            if used > memory_bytes:
-                resident = [p for p in policies if dev_id in p.device_ids]
-                worst = max(resident, key=lambda p: p.memory_bytes_per_device)
-                need = estimate_memory_bytes(worst.param_count, 1,
-                                             None if activation_bytes is None else activation_bytes[worst.index])
-                min_devs = int(math.ceil(need / memory_bytes))
-                head = (f"policies {[p.name for p in resident]} need ~{_bytes(used)} on device {dev_id} but "
-                        f"memory_bytes={_bytes(memory_bytes)}. ")
-                if len(resident) > 1 and worst.memory_bytes_per_device <= memory_bytes:
-                    why = "Each fits alone but they do not fit together: "
-                else:
-                    why = (f"'{worst.name}' ({_human(worst.param_count)} params, {BYTES_PER_PARAM_TRAINING} B/param "
-                           f"+ activations) needs >= {min_devs} device(s) of this size: ")
-                fixes = ["add devices", "raise its cost so it gets more devices"]
-                if mode == "time_share:pack":
-                    fixes.insert(0, "use time_share='full' so every policy is sharded over all devices")
-                fixes.append("or shrink the model / micro-batch (activation_bytes)")
-                raise PlanError(head + why + ", ".join(fixes) + ".", policy=worst.index)
-
-    platform = getattr(devices[0], "platform", "unknown")
-    return Plan(policies=tuple(policies), axis_names=axis_names, mode=mode, num_devices=D, platform=platform,
-                memory_limit_bytes=None if memory_bytes is None else int(memory_bytes),
-                device_memory_bytes=dev_mem, _devices=tuple(devices))
+def _check_fit(policies: tuple, dev_mem: dict, memory_bytes: int, activation_bytes, mode: str) -> None:
+    """PlanError (naming the worst policy and the fixes) when a device's estimate exceeds ``memory_bytes``."""
+    for dev_id, used in dev_mem.items():
+        if used <= memory_bytes:
+            continue
+        resident = [p for p in policies if dev_id in p.device_ids]
+        worst = max(resident, key=lambda p: p.memory_bytes_per_device)
+        need = estimate_memory_bytes(worst.param_count, 1,
+                                     None if activation_bytes is None else activation_bytes[worst.index])
+        min_devs = int(math.ceil(need / memory_bytes))
+        head = (f"policies {[p.name for p in resident]} need ~{_bytes(used)} on device {dev_id} but "
+                f"memory_bytes={_bytes(memory_bytes)}. ")
+        if len(resident) > 1 and worst.memory_bytes_per_device <= memory_bytes:
+            why = "Each fits alone but they do not fit together: "
+        else:
+            why = (f"'{worst.name}' ({_human(worst.param_count)} params, {BYTES_PER_PARAM_TRAINING} B/param "
+                   f"+ activations) needs >= {min_devs} device(s) of this size: ")
+        fixes = ["add devices", "raise its cost so it gets more devices"]
+        if mode == "time_share:pack":
+            fixes.insert(0, "use time_share='full' so every policy is sharded over all devices")
+        fixes.append("or shrink the model / micro-batch (activation_bytes)")
+        raise PlanError(head + why + ", ".join(fixes) + ".", policy=worst.index)
 
 
 def tpu_mesh_sizes(sizes: Sequence[int], costs: Sequence[float]) -> list[int]:
