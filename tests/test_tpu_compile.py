@@ -56,19 +56,47 @@ class _Chip:
         self.id, self.platform = i, platform
 
 
-def test_no_odd_mesh_on_tpu():
-    """XLA:TPU refuses an all-reduce over 3 devices (seen compiling this file's run with a 3-chip FSDP policy):
-    cost-sized meshes on TPU are 1 or even; an odd count asked for is refused naming the policy."""
+def test_tpu_mesh_sizes_divide_the_slice():
+    """XLA:TPU aborts the process compiling a collective over 6 of 8 v5e chips (libtpu's RET_CHECK
+    ``total_device_count % num_participants_per_group == 0``; `test_a_mesh_that_does_not_divide_the_slice_aborts`):
+    cost-sized meshes on TPU divide the device count, the freed devices go to the policy with the most cost per
+    device, and a count asked for that does not divide is refused naming the policy."""
     from mrl_jax import mwra
 
     chips = [_Chip(i) for i in range(8)]
     cpus = [_Chip(i, "cpu") for i in range(8)]
     assert [p.num_devices for p in mwra.plan([3.0, 5.0], cpus).policies] == [3, 5]
-    assert [p.num_devices for p in mwra.plan([3.0, 5.0], chips).policies] == [2, 6]
-    assert mwra.allocation.tpu_mesh_sizes([3, 3, 1, 1], [1.0, 2.0, 3.0, 4.0]) == [2, 4, 1, 1]
-    assert mwra.allocation.tpu_mesh_sizes([5, 2, 1], [1.0, 2.0, 3.0]) == [4, 2, 2]
-    with pytest.raises(mwra.PlanError, match="'b': 3 devices on TPU"):
+    assert [p.num_devices for p in mwra.plan([3.0, 5.0], chips).policies] == [4, 4]      # 3 + 5 -> 2 + 4 -> 4 + 4
+    # 2 + 6 -> 2 + 4, and the 2 idle devices make the cheap policy's 2 a 4
+    assert [list(p.device_ids) for p in mwra.plan([1.0, 3.0], chips).policies] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p.num_devices for p in mwra.plan([1.0, 1.0, 6.0], chips).policies] == [2, 2, 4]   # 6 -> 4, the 2 freed: 1 + 1
+    sizes = mwra.allocation.tpu_mesh_sizes
+    assert sizes([3, 3, 1, 1], [1.0, 2.0, 3.0, 4.0], 8) == [2, 2, 2, 2]
+    assert sizes([5, 2, 1], [1.0, 2.0, 3.0], 8) == [4, 2, 2]
+    assert sizes([6, 6, 4], [3.0, 3.0, 2.0], 16) == [8, 4, 4]    # the 4 freed double the first costliest
+    assert sizes([1, 1, 1], [1.0, 1.0, 1.0], 4) == [1, 1, 1]
+    with pytest.raises(mwra.PlanError, match="'b': 3 devices on a TPU slice of 8.*one of 1, 2, 4, 8"):
         mwra.plan([1.0, 1.0], chips, names=["a", "b"], assign=[None, 3])
+    with pytest.raises(mwra.PlanError, match="'a': 6 devices"):
+        mwra.plan([1.0, 1.0], chips, names=["a", "b"], assign=[list(range(6)), None])
+
+
+def test_a_mesh_that_does_not_divide_the_slice_aborts():
+    """The libtpu fact the sizes above avoid (a subprocess: the RET_CHECK aborts the compiling process), beside a
+    4-of-8 mesh that compiles."""
+    code = ("import sys, numpy as np, jax, jax.numpy as jnp\n"
+            "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+            "from mrl_jax.mwra import tpu\n"
+            "devs = tpu.resolve('v5e-8').devices()[:int(sys.argv[1])]\n"
+            "mesh = Mesh(np.array(devs), ('data',))\n"
+            "x = jax.ShapeDtypeStruct((48, 128), jnp.float32, sharding=NamedSharding(mesh, P('data')))\n"
+            "jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x).compile()\n"
+            "print('compiled')\n")
+    run = lambda n: subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True,  # noqa
+                                   timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    ok, bad = run(4), run(6)
+    assert ok.returncode == 0 and "compiled" in ok.stdout, ok.stderr[-2000:]
+    assert bad.returncode != 0 and "num_participants_per_group" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_unknown_topology_is_one_line(capsys):

@@ -308,7 +308,7 @@ def _groups(costs: list, ids: list, names: list, time_share: str, assign, tpu: b
         return "disjoint", _assigned_groups(assign, ids, costs, names, tpu)
     if D >= n:
         sizes = proportional_split(costs, D)
-        sizes = tpu_mesh_sizes(sizes, costs) if tpu else sizes
+        sizes = tpu_mesh_sizes(sizes, costs, D) if tpu else sizes
         starts = [sum(sizes[:k]) for k in range(n)]
         return "disjoint", [ids[a:a + s] for a, s in zip(starts, sizes)]
     if time_share == "full":
@@ -345,32 +345,34 @@ def _check_fit(policies: tuple, dev_mem: dict, memory_bytes: int, activation_byt
         raise PlanError(head + why + ", ".join(fixes) + ".", policy=worst.index)
 
 
-def tpu_mesh_sizes(sizes: Sequence[int], costs: Sequence[float]) -> list[int]:
-    """``sizes`` with no odd count above 1 (XLA:TPU has no all-reduce over such a group): odd sizes are paired,
-    the costlier of a pair taking a device from the other; a last odd one gives its device to the costliest
-    1-device policy, else leaves it idle."""
-    out = list(sizes)
-    odd = sorted((k for k, s in enumerate(out) if s > 1 and s % 2), key=lambda k: (-costs[k], k))
-    while len(odd) >= 2:
-        a, b = odd.pop(0), odd.pop()
-        out[a], out[b] = out[a] + 1, out[b] - 1
-    if odd:
-        k = odd[0]
-        out[k] -= 1
-        ones = sorted((j for j, s in enumerate(out) if s == 1), key=lambda j: (-costs[j], j))
-        if ones:
-            out[ones[0]] += 1
-    return out
+def tpu_mesh_sizes(sizes: Sequence[int], costs: Sequence[float], total: int) -> list[int]:
+    """``sizes`` made divisors of ``total`` (the slice's device count): XLA:TPU lowers a collective over a group
+    of devices only when the group size divides the devices it compiles for (libtpu's RET_CHECK
+    ``total_device_count % num_participants_per_group == 0``, seen for 6 of 8 v5e chips). Each size is cut to
+    the largest divisor at or below it; the devices this frees go, one step up to the next divisor at a time, to
+    the policy with the most cost per device that the rest still covers; any left stay idle."""
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    out = [max(d for d in divisors if d <= max(s, 1)) for s in sizes]
+    left = sum(sizes) - sum(out)
+    while True:
+        steps = {k: min(d for d in divisors if d > s) - s for k, s in enumerate(out) if s < total}
+        grow = [k for k, step in steps.items() if step <= left]
+        if not grow:
+            return out
+        k = max(grow, key=lambda j: (costs[j] / out[j], -j))
+        out[k], left = out[k] + steps[k], left - steps[k]
 
 
-def _odd_on_tpu(k: int, size: int, names) -> PlanError:
-    return PlanError(f"policy {names[k]!r}: {size} devices on TPU: XLA:TPU has no all-reduce over an odd number of "
-                     "devices above 1; give it 1 or an even count", policy=k)
+def _not_a_divisor_on_tpu(k: int, size: int, total: int, names) -> PlanError:
+    fits = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
+    return PlanError(f"policy {names[k]!r}: {size} devices on a TPU slice of {total}: XLA:TPU lowers collectives "
+                     f"only over groups whose size divides the slice's device count; give it one of {fits}", policy=k)
 
 
 def _assigned_groups(assign, ids, costs, names, tpu: bool = False) -> list[list[int]]:
     """Device ids per policy under explicit overrides (see `plan`'s ``assign``); errors name the policy. ``tpu``:
-    no odd mesh size above 1 (given ones are refused, cost-sized ones adjusted by `tpu_mesh_sizes`)."""
+    every mesh size divides the device count (given ones are refused, cost-sized ones adjusted by
+    `tpu_mesh_sizes`)."""
     n = len(assign)
     groups: list = [None] * n
     claimed: dict[int, str] = {}
@@ -397,8 +399,8 @@ def _assigned_groups(assign, ids, costs, names, tpu: bool = False) -> list[list[
             raise PlanError(f"policy {names[k]!r}: device count {c} must be >= 1", policy=k)
     for k, g in enumerate(groups):
         size = counted.get(k, 0 if g is None else len(g))
-        if tpu and size > 1 and size % 2:
-            raise _odd_on_tpu(k, size, names)
+        if tpu and size and len(ids) % size:
+            raise _not_a_divisor_on_tpu(k, size, len(ids), names)
     need = sum(counted.values()) + len(auto)
     if need > len(free):
         raise PlanError(f"the device overrides need {sum(counted.values())} device(s) by count plus one per "
@@ -412,7 +414,7 @@ def _assigned_groups(assign, ids, costs, names, tpu: bool = False) -> list[list[
     rest = free[start:]
     if auto:
         sizes = proportional_split([costs[k] for k in auto], len(rest))
-        sizes = tpu_mesh_sizes(sizes, [costs[k] for k in auto]) if tpu else sizes
+        sizes = tpu_mesh_sizes(sizes, [costs[k] for k in auto], len(ids)) if tpu else sizes
         for k, s in zip(auto, sizes):
             groups[k], rest = rest[:s], rest[s:]
     return groups
