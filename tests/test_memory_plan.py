@@ -168,3 +168,26 @@ def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
     assert above.peak - tree_bytes(params) > need - 1   # the largest: one more step of slots does not fit
     with pytest.raises(ConfigError, match=r"policies\.llama_bpe\.sampling\.slots': the sampler does not fit at any S"):
         memory._sampler(run, pol, mesh, params, Tp, 0)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "reject"])
+def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong):
+    """Train prompts longer than max_prompt_length: the plan's and the slot sampler's prompt width is the width
+    of the round's prompts (truncated, or the overlong ones never drawn), not of the raw longest prompt (which
+    sized every slot's KV cache, and the plan's update, ~12x too wide on a 3000-word task)."""
+    import json
+
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    rows += [{"prompt": " ".join(["seven plus one"] * 200) + f" {i}+1=", "answer": str(i + 1)} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = one_policy(task={"name": "jsonl", "path": str(path), "seed": 0}, overlong_prompts=overlong,
+                     **{"policies.0.max_prompt_length": 48})
+    run = Run(soak.to_run_config(cfg), place=False)
+    pol = run.policies[0]
+    width = memory.prompt_width(run, pol)
+    raw = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts]))
+    assert raw > 400 and width <= 48
+    drawn = run.round_inputs(0).prompts
+    widest = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in drawn]))
+    assert widest <= width

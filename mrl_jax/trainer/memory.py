@@ -80,9 +80,11 @@ class MemoryPlan:
 
 
 def prompt_width(run, pol) -> int:
-    """The widest prompt array the round can give ``pol``: its longest train prompt, bucketed and capped as
+    """The widest prompt array the round can give ``pol``: its longest train prompt as the round draws it (after
+    ``overlong_prompts``: truncated, or rejected and never drawn), bucketed and capped as
     ``encoding.encode_prompts`` does."""
-    seqs = pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts])
+    texts = [run.replacement.get(p.id, p).text for p in run.train_prompts if p.id not in run.rejected]
+    seqs = pol.prompt_format.encode(pol.tokenizer, texts)
     longest = max(1, max(len(s) for s in seqs))
     return max(longest, min(bucket_length(longest, PROMPT_BUCKETS), pol.prompt_limit))
 
