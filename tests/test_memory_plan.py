@@ -191,3 +191,18 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
     drawn = run.round_inputs(0).prompts
     widest = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in drawn]))
     assert widest <= width
+
+
+def test_sampler_figure_counts_the_kernels_of_both_programs(planned, monkeypatch):
+    """The sampler's figure is its larger-peak program's memory with the Pallas calls of the start (prefill) AND
+    the chunk (decode) program: a chunk that dominates the peak must not report the prefill's kernels as 0 (seen
+    on the 8B / v5e-8 plan: "0 in the sampler" with splash in the prefill)."""
+    run, _ = planned
+    pol, mesh = run.policies[0], run.placement.meshes[0]
+    params = run.state_template().policies[0].params
+    start_fig, chunk_fig = StepMemory(10, 10, 10, 0, kernels=3), StepMemory(10, 10, 500, 0, kernels=0)
+    real = memory.compiled_memory
+    monkeypatch.setattr(memory, "compiled_memory", lambda lowered, args: (real(lowered, args)[0], start_fig))
+    monkeypatch.setattr(memory, "step_memory", lambda *a, **k: chunk_fig)
+    fig = memory._slot_memory(pol, mesh, params, 4, 8, 4)
+    assert fig.temp == 500 and fig.kernels == 3

@@ -103,7 +103,8 @@ def _update_inputs(run, pol, mesh, Tp: int):
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     """The slot sampler's figure at S slots: the larger-peak of its two programs (start: prefill and token 0;
-    chunk: the decode steps), compiled on abstract inputs; None where the backend reports none."""
+    chunk: the decode steps), compiled on abstract inputs, with the Pallas kernel calls of both; None where the
+    backend reports none."""
     from mrl_jax.mwra import batch_sharding
 
     G, cfg, rows = pol.num_generations, pol.sampling, batch_sharding(mesh)
@@ -125,7 +126,7 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     second = step_memory(chunk, params, prompts, state)
     if first is None or second is None:
         return None
-    return max(first, second, key=lambda m: m.peak)
+    return max(first, second, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
 
 
 def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
