@@ -151,3 +151,16 @@ def test_a_program_over_the_hbm_is_a_figure_not_a_crash():
     mem = step_memory(Refused(), arg)
     assert mem.exhausted and mem.temp == int(35.88 * 2 ** 30) and mem.args == 4096 and mem.peak > 35 * 2 ** 30
     assert exhausted_bytes("INTERNAL: something else") is None
+    # the other form (seen: the Qwen3-1.7B + Llama-3.2-1B pair's update on v5e-8): everything the program needs
+    used = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+            "memory space hbm. Used 15.77G of 15.75G hbm. Exceeded hbm capacity by 22.67M.\n\nTotal hbm usage >= "
+            "10.34G:\n    reserved        258.00M \n    program           9.52G \n")
+    assert exhausted_bytes(used) == int(15.77 * 2 ** 30)
+    assert exhausted_bytes(used, args=2 ** 30) == int(15.77 * 2 ** 30) - 2 ** 30
+
+    class RefusedToo(Refused):
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(used)
+
+    mem = step_memory(RefusedToo(), arg)
+    assert mem.exhausted and mem.peak == int(15.77 * 2 ** 30)

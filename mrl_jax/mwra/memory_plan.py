@@ -54,7 +54,7 @@ def compiled_memory(lowered, args) -> tuple:
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
-        temp = exhausted_bytes(str(e))
+        temp = exhausted_bytes(str(e), tree_bytes(args))
         if temp is None:
             raise
         return None, StepMemory(args=tree_bytes(args), out=0, temp=temp, alias=0, exhausted=True)
@@ -67,15 +67,24 @@ def compiled_memory(lowered, args) -> tuple:
 
 
 _EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT]?)\)", re.S)
+_EXHAUSTED_USED = re.compile(r"RESOURCE_EXHAUSTED.*?Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", re.S)
 
 
-def exhausted_bytes(message: str) -> Optional[int]:
-    """The temporaries' bytes in XLA:TPU's "Ran out of memory on HBM ... HLO temporaries (35.88G)" error; None
-    for any other error."""
+def _bytes_of(number: str, unit: str) -> int:
+    return int(float(number) * 1024 ** " KMGT".index(unit or " "))
+
+
+def exhausted_bytes(message: str, args: int = 0) -> Optional[int]:
+    """The temporaries' bytes in XLA:TPU's refusal of a program over the HBM; None for any other error. Two forms:
+    "Ran out of memory on HBM ... HLO temporaries (35.88G)", and "CompileTimeHbmOom ... Used 15.77G of 15.75G hbm"
+    (everything the program needs: less the ``args`` bytes, so that args + temporaries is that figure)."""
     m = _EXHAUSTED.search(message)
-    if m is None:
-        return None
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+    if m is not None:
+        return _bytes_of(m.group(1), m.group(2))
+    m = _EXHAUSTED_USED.search(message)
+    if m is not None:
+        return max(_bytes_of(m.group(1), m.group(2)) - args, 0)
+    return None
 
 
 def _on_tpu(args) -> bool:
