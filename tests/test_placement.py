@@ -219,11 +219,20 @@ def _start_two(mode: str, root: Path) -> tuple[list, list]:
                              stderr=subprocess.PIPE, text=True) for i in range(2)], paths
 
 
+def _stop_and_read(procs: list) -> list[str]:
+    """Each process's stderr tail once every one has stopped: a live peer of a dead one is killed first (it would
+    wait for the dead one's collectives, and reading its pipes would wait with it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.communicate(timeout=60)[1][-3000:] for p in procs]
+
+
 def _kill_after_first_checkpoint(procs: list, ckpts: Path, timeout: float = 900) -> None:
     """kill -9 process 1 once the run's first checkpoint is complete (orbax's bare step folder)."""
     deadline = time.monotonic() + timeout
     while not (ckpts / "0").is_dir():
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert all(p.poll() is None for p in procs), _stop_and_read(procs)
         assert time.monotonic() < deadline, "no checkpoint of round 0"
         time.sleep(0.1)
     procs[1].kill()
@@ -271,7 +280,11 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     assert re.search(r"the checkpoint of round \d+ in .*checkpoints is intact", lines[0]) and "--resume" in lines[0]
 
     procs, paths = _start_two("mpresume", tmp_path)
-    outs = [p.communicate(timeout=900) for p in procs]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     results = [worker_result.read(path, out) for path, (out, _) in zip(paths, outs)]

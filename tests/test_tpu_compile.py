@@ -2,6 +2,7 @@
 every policy's update and sampler, one policy FSDP over 4 chips, the other on 2, the Pallas splash kernels on. A change that breaks TPU compilation (a kernel that does not lower, a
 host callback in a step, a sharding XLA:TPU rejects) fails here."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -29,23 +30,38 @@ TINY = {
 }
 
 
-def test_tiny_round_compiles_for_tpu_with_the_kernels():
-    from mrl_jax.configs import from_dict
-    from mrl_jax.trainer.config import RunConfig
-    from mrl_jax.trainer.tpu_plan import plan_for_topology
+def _in_child(code: str, timeout: float = 600) -> dict:
+    """``code`` run in a fresh Python process, its last stdout line read as JSON: libtpu is loaded there, never in
+    the pytest worker (its runtime threads stay out of the process that goes on to train in other tests)."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
-    report = plan_for_topology(from_dict(RunConfig, TINY), "v5e:2x4")
-    assert report.fits, str(report)
-    assert [list(p.device_ids) for p in report.plan.policies] == [[0, 1, 2, 3], [4, 5]]
-    assert report.hbm_per_device == 16 << 30
-    for p, f, secs in zip(report.plan.policies, report.memory.figures, report.memory.compile_seconds):
-        assert report.plan.platform == "tpu"
-        assert f.update.kernels > 0 and f.sampler.kernels > 0, f"{f.name}: no Pallas kernel compiled"
-        assert f.update.temp > 0 and f.sampler.temp > 0
-        assert secs["update"] > 0 and secs["sampler"] > 0
-    llama = report.memory.figures[0]
-    assert llama.params < 4 * report.plan.policies[0].param_count   # FSDP: less than the whole f32 model per chip
-    text = str(report)
+
+def test_tiny_round_compiles_for_tpu_with_the_kernels():
+    code = ("import json, sys\n"
+            "from mrl_jax.configs import from_dict\n"
+            "from mrl_jax.trainer.config import RunConfig\n"
+            "from mrl_jax.trainer.tpu_plan import plan_for_topology\n"
+            f"report = plan_for_topology(from_dict(RunConfig, {TINY!r}), 'v5e:2x4')\n"
+            "print(json.dumps({'fits': report.fits, 'text': str(report), 'hbm': report.hbm_per_device,\n"
+            "    'platform': report.plan.platform, 'devices': [list(p.device_ids) for p in report.plan.policies],\n"
+            "    'param_count': [p.param_count for p in report.plan.policies],\n"
+            "    'figures': [dict(params=f.params, update_kernels=f.update.kernels, sampler_kernels=f.sampler.kernels,\n"
+            "                     update_temp=f.update.temp, sampler_temp=f.sampler.temp, seconds=s)\n"
+            "                for f, s in zip(report.memory.figures, report.memory.compile_seconds)]}))\n")
+    report = _in_child(code)
+    assert report["fits"], report["text"]
+    assert report["devices"] == [[0, 1, 2, 3], [4, 5]]
+    assert report["hbm"] == 16 << 30 and report["platform"] == "tpu"
+    for f in report["figures"]:
+        assert f["update_kernels"] > 0 and f["sampler_kernels"] > 0, f"{f}: no Pallas kernel compiled"
+        assert f["update_temp"] > 0 and f["sampler_temp"] > 0
+        assert f["seconds"]["update"] > 0 and f["seconds"]["sampler"] > 0
+    # FSDP: less than the whole f32 model per chip
+    assert report["figures"][0]["params"] < 4 * report["param_count"][0]
+    text = report["text"]
     assert "verdict: fits" in text and "splash" in text and "GiB" in text
 
 
@@ -107,14 +123,22 @@ def test_unknown_topology_is_one_line(capsys):
     assert len(err) == 1 and "--topology" in err[0] and "v5e-8" in err[0]
 
 
-@pytest.mark.parametrize("name,topology,chips,devices", [
-    ("v5e-8", "v5e:2x4", 8, 8), ("v5p-16", "v5p:2x2x2", 8, 8), ("v6e-1", "v6e:1x1", 1, 1), ("v4-8", "v4:2x2x1", 4, 8),
-    ("V5LITEPOD-4", "v5e:2x2", 4, 4),
-])
-def test_slice_names(name, topology, chips, devices):
-    t = tpu.resolve(name)
-    assert (t.topology, t.chips, len(t.devices())) == (topology, chips, devices)
-    assert t.hbm_per_device * devices == t.hbm_per_chip * chips
+SLICES = [("v5e-8", "v5e:2x4", 8, 8), ("v5p-16", "v5p:2x2x2", 8, 8), ("v6e-1", "v6e:1x1", 1, 1),
+          ("v4-8", "v4:2x2x1", 4, 8), ("V5LITEPOD-4", "v5e:2x2", 4, 4)]
+
+
+def test_slice_names():
+    code = ("import json\n"
+            "from mrl_jax.mwra import tpu\n"
+            "out = []\n"
+            f"for name in {[n for n, *_ in SLICES]!r}:\n"
+            "    t = tpu.resolve(name)\n"
+            "    out.append([t.topology, t.chips, len(t.devices()), t.hbm_per_device, t.hbm_per_chip])\n"
+            "print(json.dumps(out))\n")
+    for (name, topology, chips, devices), (topo, n_chips, n_devices, per_device, per_chip) in zip(
+            SLICES, _in_child(code)):
+        assert (topo, n_chips, n_devices) == (topology, chips, devices), name
+        assert per_device * devices == per_chip * chips, name
 
 
 def test_no_libtpu_noise_where_no_tpu():
