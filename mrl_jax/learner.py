@@ -23,8 +23,9 @@ Log-probs: ``model.hidden_prefix`` (each prompt computed once for its G own comp
 ``model.hidden`` on [prompt ++ completion]), then ``grpo.chunked_token_stats`` with ``model.head(h) /
 temperature`` over the completion positions (never the full float32 [B, T, V]). The model contract is
 ``hidden`` / ``hidden_prefix`` / ``head`` (``mrl_jax.models.CausalLM`` has them).
-num_iterations mu > 1: call ``update`` mu times on the same rows; own rows keep their ``old_logp`` as
-pi_old (clipping active); peer rows are re-scored each call. The KL term (beta > 0) covers own rows
+num_iterations mu > 1: ``iterate(update, mu)`` runs the mu updates on the same rows inside one function (a
+``lax.scan``); own rows keep their ``old_logp`` as pi_old (clipping active); peer rows are re-scored each
+iteration. The KL term (beta > 0) covers own rows
 only (peer rows have no reference log-probs: their k3 term is zero).
 """
 
@@ -187,6 +188,40 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     if not jit:
         return update
     return jax.jit(update, donate_argnums=(0, 1) if donate else ())
+
+
+def iterate(update, num_iterations: int, sync=None):
+    """The round's ``num_iterations`` (mu) updates on the same rows as one pure function (jit it once), a function
+    transformer in the way micro-batching is one:
+
+        epochs = iterate(make_update_step(..., jit=False), mu, sync)
+        params, opt_state, ref, metrics = epochs(params, opt_state, ref, rows, see_view, key, step)
+
+    Iteration ``it`` updates with ``fold_in(key, it)``; then ``ref = sync(params, ref, step + it + 1)`` when
+    ``sync`` is given (TRL's reference sync; ``step`` i32[]: updates done before this call), else ``ref`` passes
+    through (None when no reference is held). Metrics: the last iteration's, ``skipped`` summed over the
+    iterations. mu = 1 is the update itself (no loop)."""
+    def one(params, opt_state, ref, rows, see_view, key, step, it):
+        params, opt_state, metrics = update(params, opt_state, rows, see_view, jax.random.fold_in(key, it))
+        if sync is not None:
+            ref = sync(params, ref, step + it + 1)
+        return params, opt_state, ref, metrics
+
+    def epochs(params, opt_state, ref, rows, see_view, key, step):
+        if num_iterations == 1:
+            return one(params, opt_state, ref, rows, see_view, key, step, 0)
+
+        def body(carry, it):
+            params, opt_state, ref, skipped = carry
+            params, opt_state, ref, metrics = one(params, opt_state, ref, rows, see_view, key, step, it)
+            return (params, opt_state, ref, skipped + metrics["skipped"]), metrics
+
+        (params, opt_state, ref, skipped), stacked = jax.lax.scan(
+            body, (params, opt_state, ref, jnp.zeros((), jnp.float32)), jnp.arange(num_iterations))
+        metrics = dict(jax.tree.map(lambda x: x[-1], stacked), skipped=skipped)
+        return params, opt_state, ref, metrics
+
+    return epochs
 
 
 def make_logp_fn(graphdef, grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0):

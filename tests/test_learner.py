@@ -11,7 +11,7 @@ from flax import nnx
 from mrl_jax import see
 from mrl_jax.configs import ConfigError
 from mrl_jax.rows import own_rows
-from mrl_jax.learner import GRPOConfig, make_grad_fn, make_optimizer, make_update_step
+from mrl_jax.learner import GRPOConfig, iterate, make_grad_fn, make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import tiny_model
 
 TP = 2
@@ -154,6 +154,49 @@ def test_nan_guard_leaves_params_unchanged():
     assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
+
+
+def test_iterate_is_the_loop_of_updates_with_the_reference_synced_between():
+    """mu = 3 updates on the same rows in one jitted function equal 3 calls of the update with keys fold_in(key, it)
+    and TRL's sync after update numbers divisible by 2 (updates 4..6 of the run: after 4 and 6); own rows keep pi_old, skipped
+    counts every iteration."""
+    V, P, G, Tc = 16, 2, 4, 2
+    graphdef, params = nnx.split(_model(V))
+    cfg = GRPOConfig(num_generations=G, max_completion_length=Tc, loss_type="dapo", beta=0.1)
+    opt = make_optimizer(5e-2)
+    update = make_update_step(graphdef, opt, "none", cfg, jit=False)
+    prompts = jnp.asarray(np.arange(P * TP).reshape(P, TP) % V, jnp.int32)
+    comp = jnp.asarray(np.arange(P * G * Tc).reshape(P * G, Tc) * 7 % V, jnp.int32)
+    rows = _batch(prompts, comp, jnp.full((P * G, Tc), -2.5), jnp.asarray(np.arange(P * G) % 3, jnp.float32))
+    view, key = see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(3)
+    ref = jax.tree.map(lambda x: x + 0.01, params)
+    mix = lambda p, r: jax.tree.map(lambda a, b: 0.5 * a + 0.5 * b, p, r)  # noqa: E731
+    sync = lambda p, r, step: jax.lax.cond(step % 2 == 0, lambda: mix(p, r), lambda: r)  # noqa: E731
+    rows = rows.replace(ref_logp=make_logp_fn(graphdef, cfg)(ref, rows))
+
+    p, s, r, loop = params, opt.init(params), ref, []
+    one = jax.jit(update)
+    for it in range(3):
+        p, s, m = one(p, s, rows, view, jax.random.fold_in(key, it))
+        r = mix(p, r) if (3 + it + 1) % 2 == 0 else r
+        loop.append(m)
+    got = jax.jit(iterate(update, 3, sync))(params, opt.init(params), ref, rows, view, key, jnp.int32(3))
+    for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves((p, s, r))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    assert len({float(m["loss"]) for m in loop}) == 3   # each iteration saw other params
+    np.testing.assert_allclose(float(got[3]["loss"]), float(loop[-1]["loss"]), rtol=2e-5, atol=1e-7)
+    assert float(got[3]["skipped"]) == 0.0
+    # no sync: the reference passes through; mu = 1 is the update itself
+    p1, _, r1, m1 = jax.jit(iterate(update, 1))(params, opt.init(params), ref, rows, view, key, jnp.int32(0))
+    q1, _, n1 = one(params, opt.init(params), rows, view, jax.random.fold_in(key, 0))
+    assert r1 is ref or all(np.array_equal(np.asarray(a), np.asarray(b))
+                            for a, b in zip(jax.tree.leaves(r1), jax.tree.leaves(ref)))
+    assert float(m1["loss"]) == float(n1["loss"])
+    # a non-finite batch: every iteration skipped, counted
+    bad = rows.replace(rewards=rows.rewards.at[0].set(np.nan))
+    p3, _, _, m3 = jax.jit(iterate(update, 3))(params, opt.init(params), None, bad, view, key, jnp.int32(0))
+    assert float(m3["skipped"]) == 3.0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p3, params)
 
 
 def test_grpo_learns_to_emit_a_fixed_token():

@@ -146,7 +146,7 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     view = see.empty_view(2, 1, 3, 3, 1)
     g, p = nnx.split(lora_lib.merge(nnx.merge(pol.graphdef, params)))  # before the update donates the adapters
     before = jax.tree.map(np.asarray, (adapters, frozen))
-    new, opt_state, m = pol.update(params, st.opt_state, batch, view, jax.random.key(0))
+    new, opt_state, _, m = pol.update(params, st.opt_state, None, batch, view, jax.random.key(0), 0)
     a2, f2 = lora_lib.split_adapters(new)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[1]), jax.tree.leaves(f2)))
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[0]), jax.tree.leaves(a2)))
@@ -216,6 +216,6 @@ def test_adapter_dropout_acts_in_the_update_only(rate):
     losses = []
     for k in (0, 0, 1):
         p = jax.tree.map(jnp.copy, params)
-        _, _, m = pol.update(p, jax.tree.map(jnp.copy, st.opt_state), batch, view, jax.random.key(k))
+        _, _, _, m = pol.update(p, jax.tree.map(jnp.copy, st.opt_state), None, batch, view, jax.random.key(k), 0)
         losses.append(float(m["loss"]))
     assert losses[0] == losses[1] and (losses[0] != losses[2]) == (rate > 0)  # the key draws the dropout masks

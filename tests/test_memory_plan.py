@@ -46,7 +46,8 @@ def test_plan_figures_are_the_compiled_update_on_real_arrays(planned):
     batch = mwra.shard_batch(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), mesh, strict=False)
     view = mwra.to_mesh(memory.see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, 1), mesh)
     key = jax.random.key(0)
-    mem = pol.update.lower(state.params, state.opt_state, batch, view, key).compile().memory_analysis()
+    mem = pol.update.lower(state.params, state.opt_state, state.ref_params, batch, view, key,
+                           np.int32(0)).compile().memory_analysis()
     assert f.update.temp == mem.temp_size_in_bytes > 0
     assert f.update.args == mem.argument_size_in_bytes and f.update.alias == mem.alias_size_in_bytes
     assert f.params == sum(x.nbytes for x in jax.tree.leaves(state.params))

@@ -43,7 +43,7 @@ def test_repeated_peer_samples_fill_every_rollout_slot_every_round():
     buf = S.init(64, 16, 8, num_policies=2, num_prompts=4, tau=1.0)
     for rnd in range(2):
         buf, _ = _add(buf, _exp(["42"] * 4, [1] * 4, 1, [1.0] * 4, rnd=rnd))
-        sel = S.select_peers(buf, consumer=0, prompt_ids=[1], k_rollouts=4)
+        sel = S.select_peers(buf, consumer=0, prompt_index=[1], k_rollouts=4)
         assert list(sel.row_kind) == [S.PEER] * 4 and sel.texts == ["42"] * 4
 
 
@@ -51,7 +51,7 @@ def test_rollout_slots_round_robin_over_peers():
     buf = S.init(64, 16, 8, num_policies=3, num_prompts=4, tau=1.0)
     buf, _ = _add(buf, _exp(["a0", "a1", "a2"], [0] * 3, 1, [0.0] * 3))
     buf, _ = _add(buf, _exp(["b0", "b1", "b2"], [0] * 3, 2, [0.0] * 3))
-    sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=4)
+    sel = S.select_peers(buf, consumer=0, prompt_index=[0], k_rollouts=4)
     assert sel.texts == ["a0", "b0", "a1", "b1"]
 
 
@@ -63,7 +63,7 @@ def test_cut_text_is_truncated_never_a_success_and_counted():
     buf, info = _add(buf, exp)
     assert int(info["texts_cut"]) == 1 and int(info["successes_added"]) == 1
     assert _texts(buf.successes) == ["42"]
-    sel = S.select_peers(buf, consumer=0, prompt_ids=[0], k_rollouts=2)
+    sel = S.select_peers(buf, consumer=0, prompt_index=[0], k_rollouts=2)
     toks = [[ord(c) for c in t] for t in sel.texts]
     view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
                        max_completion_len=8, max_chunks=8, eos_id=99)
@@ -105,7 +105,7 @@ def test_latest_round_stats_and_view():
     buf, _ = _add(buf, _exp(["p1a", "p1b", "own", "p2"], [2, 2, 2, 3], [1, 1, 0, 2], [0.0, 1.0, 1.0, 0.5], rnd=1))
     np.testing.assert_allclose(buf.stats.latest[2, 1], [2.0, 1.0, 1.0, 1.0])    # round 0 entry reset
     np.testing.assert_allclose(buf.stats.total[2, 1], [3.0, 2.0, 2.0, 2.0])
-    sel = S.select_peers(buf, consumer=0, prompt_ids=[2, 3], k_rollouts=2, k_successes=1)
+    sel = S.select_peers(buf, consumer=0, prompt_index=[2, 3], k_rollouts=2, k_successes=1)
     kinds = sel.row_kind.reshape(2, 3)
     texts = dict(zip(sel.filled, sel.texts))
     assert sorted(texts[s] for s in (0, 1)) == ["p1a", "p1b"] and texts[2] == "old"   # archived success

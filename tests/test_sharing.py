@@ -36,9 +36,9 @@ class _Recorder:
         self.calls = {p.name: [] for p in run.policies}
         self.policies = []
         for pol in run.policies:
-            def rec(params, opt_state, batch, view, key, _pol=pol):
+            def rec(params, opt_state, ref, batch, view, key, step, _pol=pol):
                 self.calls[_pol.name].append((jax.tree.map(jnp.copy, params), batch, view))
-                return _pol.update(params, opt_state, batch, view, key)
+                return _pol.update(params, opt_state, ref, batch, view, key, step)
             self.policies.append(pol.__class__(**{**pol.__dict__, "update": rec}))
 
 

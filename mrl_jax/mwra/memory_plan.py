@@ -124,8 +124,9 @@ class PolicyMemory:
 
     @property
     def transient(self) -> int:
-        """What a step adds to the resident state at its peak (the larger of update and sampler)."""
-        upd = self.update.peak - self.params - self.optimizer
+        """What a step adds to the resident state at its peak (the larger of update and sampler; the update's
+        arguments hold the whole state, reference included)."""
+        upd = self.update.peak - self.params - self.optimizer - self.reference
         smp = 0 if self.sampler is None else self.sampler.peak - self.params
         return max(upd, smp, 0)
 

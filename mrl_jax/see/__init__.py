@@ -1,9 +1,9 @@
 """SEE — Shared Experience Exchange: an immutable pytree buffer of typed experience + per-consumer views.
 
     see = see_lib.init(capacity=4096, max_bytes=256, max_src_tokens=64, num_policies=2, num_prompts=1000)
-    exp = see_lib.make_experience(texts, prompt_ids, source=0, rewards=r, src_ids=ids, src_logp=lp, round=t)
+    exp = see_lib.make_experience(texts, prompt_index, source=0, rewards=r, src_ids=ids, src_logp=lp, round=t)
     see, info = jax.jit(see_lib.add)(see, exp)        # pure: the old buffer is unchanged
-    view = see_lib.build_view(see, consumer=1, prompt_ids=batch_pids, align_batch=fn, ...)   # host
+    view = see_lib.build_view(see, consumer=1, prompt_index=batch_pids, align_batch=fn, ...)   # host
     # fn(texts, sources, src_ids) -> ViewAlignment (ViewAlignment.from_batches of thl.align_batch results)
 
 Typed records (flax.struct dataclasses of fixed-capacity arrays + a write pointer):

@@ -131,7 +131,7 @@ def init(capacity: int, max_bytes: int, max_src_tokens: int, num_policies: int, 
                tau=float(tau))
 
 
-def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_ids: Sequence = None,
+def make_experience(texts: Sequence[str], prompt_index, source, rewards, *, src_ids: Sequence = None,
                     src_logp: Sequence = None, truncated=None, round: int = 0, max_bytes: int,
                     max_src_tokens: int, num_rows: Optional[int] = None) -> Experience:
     """Host helper: pad M texts (UTF-8) and token arrays into an ``Experience``.
@@ -166,7 +166,7 @@ def make_experience(texts: Sequence[str], prompt_ids, source, rewards, *, src_id
             lps[i, :len(a)] = a
     pad = lambda x, dt, fill=0: np.concatenate([np.broadcast_to(np.asarray(x, dt), (M,)),
                                                 np.full((R - M,), fill, dt)])
-    return Experience(prompt_id=jnp.asarray(pad(prompt_ids, np.int32, -1)),
+    return Experience(prompt_id=jnp.asarray(pad(prompt_index, np.int32, -1)),
                       source=jnp.asarray(pad(source, np.int32, -1)),
                       text=jnp.asarray(text), text_len=jnp.asarray(tlen), reward=jnp.asarray(pad(rewards, np.float32)),
                       truncated=jnp.asarray(pad(False if truncated is None else truncated, bool) | cut),

@@ -54,7 +54,7 @@ class PeerSelection:
     src_logp: list
 
 
-def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts: int = 4,
+def select_peers(see: SEE, consumer: int, prompt_index: Sequence[int], k_rollouts: int = 4,
                  k_successes: int = 0, k_own: int = 0) -> PeerSelection:
     """Host: choose K = k_rollouts + k_successes + k_own entries per batch prompt for ``consumer``.
 
@@ -66,7 +66,7 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
     """
     ro, su = jax.device_get((see.rollouts, see.successes))   # a host SEE (numpy leaves) passes through
     lr = np.asarray(see.stats.latest_round)
-    P, K = len(prompt_ids), k_rollouts + k_successes + k_own
+    P, K = len(prompt_index), k_rollouts + k_successes + k_own
     S = P * K
     sel = PeerSelection(row_kind=np.full(S, EMPTY, np.int32), record=np.full(S, -1, np.int32),
                         prompt_slot=np.repeat(np.arange(P, dtype=np.int32), K), source=np.full(S, -1, np.int32),
@@ -78,7 +78,7 @@ def select_peers(see: SEE, consumer: int, prompt_ids: Sequence[int], k_rollouts:
     peer_su = _by_prompt(su, su.valid & (su.source != consumer))
     own_su = _by_prompt(su, su.valid & (su.source == consumer))
     none = np.zeros(0, np.int64)
-    for p, pid in enumerate(prompt_ids):
+    for p, pid in enumerate(prompt_index):
         chosen = [(PEER, i) for i in _round_robin(ro, peer_ro.get(int(pid), none))[:k_rollouts]]
         seen = {(int(ro.source[i]), int(ro.text_hash[i]), int(ro.text_len[i])) for _, i in chosen}
         sidx = peer_su.get(int(pid), none)
@@ -128,10 +128,10 @@ def _round_robin(rec, idx: np.ndarray) -> list[int]:
     return out
 
 
-def peer_stats(see: SEE, consumer: int, prompt_ids: Sequence[int]) -> np.ndarray:
+def peer_stats(see: SEE, consumer: int, prompt_index: Sequence[int]) -> np.ndarray:
     """Latest-round GroupStats f32[P, N, 4] of the batch prompts, the consumer's column zeroed."""
     lat = np.asarray(see.stats.latest)
-    pid = np.asarray(prompt_ids)
+    pid = np.asarray(prompt_index)
     ok = (pid >= 0) & (pid < lat.shape[0])
     st = np.where(ok[:, None, None], lat[np.clip(pid, 0, lat.shape[0] - 1)], 0.0).astype(np.float32)
     st[:, consumer] = 0.0
@@ -262,17 +262,17 @@ def _chunk_logp(src_logp: Sequence[np.ndarray], src_chunk: np.ndarray, C: int) -
     return out
 
 
-def build_view(see: SEE, consumer: int, prompt_ids: Sequence[int], align_batch: Callable, *,
+def build_view(see: SEE, consumer: int, prompt_index: Sequence[int], align_batch: Callable, *,
                k_rollouts: int = 4, k_successes: int = 0, k_own: int = 0, max_completion_len: int,
                max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host convenience: select_peers -> align_batch(texts, sources, src_ids) -> make_view.
     ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns a ``ViewAlignment``
     (called only when some slot is filled). ``see`` may be host-resident (``jax.device_get``: read it once for
     several consumers)."""
-    sel = select_peers(see, consumer, prompt_ids, k_rollouts, k_successes, k_own)
+    sel = select_peers(see, consumer, prompt_index, k_rollouts, k_successes, k_own)
     srcs = [int(sel.source[s]) for s in sel.filled]
     aligned = align_batch(sel.texts, srcs, sel.src_ids) if sel.filled else ViewAlignment.identity([])
-    return make_view(sel, aligned, consumer=consumer, stats=peer_stats(see, consumer, prompt_ids),
+    return make_view(sel, aligned, consumer=consumer, stats=peer_stats(see, consumer, prompt_index),
                      max_completion_len=max_completion_len, max_chunks=max_chunks, pad_id=pad_id,
                      eos_id=eos_id)
 

@@ -77,9 +77,9 @@ class LastInputs:
     def wrap(self, policy: Policy) -> Policy:
         update = policy.update
 
-        def recorded(params, opt_state, batch, see_view, key):
-            self.inputs[policy.name] = (batch, see_view)
-            return update(params, opt_state, batch, see_view, key)
+        def recorded(params, opt_state, ref_params, rows, see_view, key, step):
+            self.inputs[policy.name] = (rows, see_view)
+            return update(params, opt_state, ref_params, rows, see_view, key, step)
 
         return dataclasses.replace(policy, update=recorded)
 

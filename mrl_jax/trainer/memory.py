@@ -98,7 +98,8 @@ def _update_inputs(run, pol, mesh, Tp: int):
     P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.completion_length
     view = jax.eval_shape(lambda: see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, len(run.policies),
                                                      consumer=pol.index))
-    return placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, mwra.REPLICATED))
+    return placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh), step
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
@@ -170,7 +171,7 @@ def _linear_guess(small, large, s_small: int, s_large: int, budget: int) -> Opti
 
 def _figure(pol, state, update, inputs, sampler) -> Optional[PolicyMemory]:
     """``pol``'s figures with ``update`` (pinned) on ``state`` (placed ShapeDtypeStructs)."""
-    upd = step_memory(update, state.params, state.opt_state, *inputs)
+    upd = step_memory(update, state.params, state.opt_state, state.ref_params, *inputs)
     if upd is None:
         return None
     return PolicyMemory(name=pol.name, params=tree_bytes(state.params), optimizer=tree_bytes(state.opt_state),
@@ -320,7 +321,7 @@ def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) ->
                                                    ref_params=ref)
     make = update_factory(model, lora, pol.optimizer, pol.probe,
                           pol.spec.grpo.resolved(pol.num_generations, pol.completion_length,
-                                                 pol.sampling.temperature))
+                                                 pol.sampling.temperature), pol.spec)
     return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
 
 

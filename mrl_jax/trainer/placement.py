@@ -239,11 +239,11 @@ def pin_policy(policy, mesh: Mesh, state_shardings):
 
 
 def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:
-    """``inner(params, opt_state, rows, view, key)`` jitted with params / opt state kept as placed
-    (``state_shardings``) and donated, metrics replicated on ``mesh``."""
+    """``inner(params, opt_state, ref_params, rows, view, key, step)`` (the policy's round update) jitted with the
+    state kept as placed (``state_shardings``), params and opt state donated, metrics replicated on ``mesh``."""
     repl = NamedSharding(mesh, mwra.REPLICATED)
-    return jax.jit(on_mesh(mesh, inner), out_shardings=(state_shardings.params, state_shardings.opt_state, repl),
-                   donate_argnums=(0, 1))
+    out = (state_shardings.params, state_shardings.opt_state, state_shardings.ref_params, repl)
+    return jax.jit(on_mesh(mesh, inner), out_shardings=out, donate_argnums=(0, 1))
 
 
 def on_mesh(mesh: Mesh, fn: Callable) -> Callable:

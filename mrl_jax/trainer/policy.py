@@ -18,7 +18,7 @@ from flax import nnx, struct
 from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.learner import make_logp_fn, make_update_step
+from mrl_jax.learner import iterate, make_logp_fn, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, RunOptions, chain, make_probe
 from mrl_jax.rollout import SamplingConfig
@@ -26,6 +26,7 @@ from mrl_jax.see import ViewShape
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
 from mrl_jax.trainer.dynamic_sampling import filter_groups
+from mrl_jax.trainer.reference import reference_sync
 
 
 @struct.dataclass
@@ -48,7 +49,9 @@ class Policy:
     sampling: SamplingConfig
     probe: Probe
     optimizer: Any  # optax.GradientTransformation
-    update: Callable  # (params, opt_state, own Rows, SeeView, key) -> (params, opt_state, metrics)
+    # the round's mu updates, one jitted step (learner.iterate): (params, opt_state, ref_params, own Rows, SeeView,
+    # key, step i32[]) -> (params, opt_state, ref_params, metrics); step: updates done before the round
+    update: Callable
     ref_logp: Optional[Callable] = None  # (ref_params, own Rows) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
     mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
@@ -220,12 +223,16 @@ def _lora_update(graphdef, optimizer, probe, grpo_cfg, micro_batch_size: int) ->
     return update
 
 
-def update_factory(model, lora: bool, optimizer, probe, grpo_cfg) -> Callable[[int], Callable]:
-    """``micro_batch_size -> update`` of a policy built on ``model`` (a LoRA one when ``lora``); the memory
-    plan compiles it at other micro-batch sizes. Holds the graph only, never the weights."""
+def update_factory(model, lora: bool, optimizer, probe, grpo_cfg, spec: PolicySpec) -> Callable[[int], Callable]:
+    """``micro_batch_size -> update`` of a policy built on ``model`` (a LoRA one when ``lora``): the round's
+    ``spec.grpo.num_iterations`` updates and reference syncs as one jitted step (`mrl_jax.learner.iterate`,
+    params and optimizer state donated); the memory plan compiles it at other micro-batch sizes. Holds the graph
+    only, never the weights."""
     graphdef = lora_graphdef(model) if lora else nnx.graphdef(model)
     make = _lora_update if lora else make_update_step
-    return lambda micro_batch_size: make(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
+    sync = reference_sync(spec)
+    return lambda micro_batch_size: jax.jit(iterate(make(graphdef, optimizer, probe, grpo_cfg, micro_batch_size),
+                                                    spec.grpo.num_iterations, sync), donate_argnums=(0, 1))
 
 
 def prompt_limit(spec: PolicySpec, model) -> int:
@@ -265,7 +272,7 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     probe = make_probe(spec.probes, options)
     if run.dynamic_sampling.enable:   # DAPO's filter: uniform groups leave the PG loss (trainer.dynamic_sampling)
         probe = chain(filter_groups(options=options), probe)
-    update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg)
+    update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg, spec)
     stops = build_stop_ids(spec, tokenizer)
     model_vocab = model.config.vocab_size
     prompt_format = build_prompt_format(spec, tokenizer)

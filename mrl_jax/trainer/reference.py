@@ -9,8 +9,7 @@ of every checkpoint and a resumed run continues with the same reference.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +45,22 @@ def initial_reference(spec, params) -> Optional[Any]:
     return ref
 
 
-@functools.partial(jax.jit, static_argnames="alpha")
 def mix(params, ref, alpha: float):
-    """TRL's reference sync: alpha * params + (1 - alpha) * ref, leaf-wise in the ref's dtype (alpha static:
-    no host-to-device transfer, so it runs under a disallowing transfer guard)."""
+    """TRL's reference sync: alpha * params + (1 - alpha) * ref, leaf-wise in the ref's dtype."""
     return jax.tree.map(lambda p, r: (alpha * p.astype(jnp.float32) + (1 - alpha) * r.astype(jnp.float32))
                         .astype(r.dtype), params, ref)
 
 
-def maybe_sync(spec, params, ref, step: int):
-    """``ref`` after update number ``step`` (1-based, counted over the run): synced when TRL would."""
+def reference_sync(spec) -> Optional[Callable]:
+    """``sync(params, ref, step) -> ref`` of a policy (``PolicySpec``) for `mrl_jax.learner.iterate`: after update
+    number ``step`` (1-based over the run, traced) the reference moves toward the policy when TRL would; None when
+    the policy holds no reference or does not sync it."""
     r = spec.ref_model
-    if ref is None or not r.sync_ref_model or step % r.ref_model_sync_steps:
-        return ref
-    return mix(params, ref, float(r.ref_model_mixup_alpha))
+    if not holds_reference(spec) or not r.sync_ref_model:
+        return None
+    every, alpha = int(r.ref_model_sync_steps), float(r.ref_model_mixup_alpha)
+
+    def sync(params, ref, step):
+        return jax.lax.cond(step % every == 0, lambda: mix(params, ref, alpha), lambda: ref)
+
+    return sync

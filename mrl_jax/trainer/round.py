@@ -40,7 +40,6 @@ from mrl_jax.tasks import gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
-from mrl_jax.trainer.reference import maybe_sync
 
 
 @struct.dataclass
@@ -163,22 +162,11 @@ def _trim(out, rows: int):
     return jax.tree.map(lambda x: x[:rows], out)
 
 
-def _iteration_keys(pol: Policy, key) -> list:
-    """The keys of ``pol``'s ``num_iterations`` updates (``fold_in(key, it)``), on its mesh."""
-    return [_replicated(pol, jax.random.fold_in(key, it)) for it in range(pol.spec.grpo.num_iterations)]
-
-
-def _update_policy(pol: Policy, ps: PolicyState, rows: Rows, view, keys: Sequence, round_index: int):
-    """``num_iterations`` updates of one policy on its own rows (reference synced as TRL's callback would);
-    ``keys``: one per iteration (`_iteration_keys`)."""
-    params, opt_state, ref = ps.params, ps.opt_state, ps.ref_params
-    mu = pol.spec.grpo.num_iterations
-    skipped = None
-    for it in range(mu):
-        params, opt_state, m = pol.update(params, opt_state, rows, view, keys[it])
-        skipped = m["skipped"] if skipped is None else skipped + m["skipped"]   # on the mesh: no transfer
-        ref = maybe_sync(pol.spec, params, ref, round_index * mu + it + 1)
-    m = dict(m, skipped=skipped)   # any skipped iteration counts (the last one's other metrics are kept)
+def _update_policy(pol: Policy, ps: PolicyState, rows: Rows, view, key, round_index: int):
+    """The round's ``num_iterations`` updates of one policy on its own rows, the reference synced as TRL's callback
+    would: one jitted step (`mrl_jax.learner.iterate`); ``key`` and the count of earlier updates on its mesh."""
+    step = _replicated(pol, np.int32(round_index * pol.spec.grpo.num_iterations))
+    params, opt_state, ref, m = pol.update(ps.params, ps.opt_state, ps.ref_params, rows, view, key, step)
     return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
 
 
@@ -247,7 +235,7 @@ def _views(see, policies: Sequence[Policy], dense_ids: np.ndarray, timer: PhaseT
 
 
 def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> tuple:
-    """(own rows, view, update keys) of one policy on its mesh: the rows built from its rollout on the host
+    """(own rows, view, update key) of one policy on its mesh: the rows built from its rollout on the host
     (``rows.own_rows``), then placed (rows split over the data axis where they divide it)."""
     out = s.rollout
     rows = own_rows(np.asarray(s.prompt_ids), np.asarray(s.prompt_mask), np.asarray(out.tokens),
@@ -255,7 +243,7 @@ def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> 
                     np.asarray(s.score.rewards, np.float32), np.asarray(out.truncated), consumer=pol.index)
     rows = mwra.shard_batch(rows, pol.mesh, strict=False)
     view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
-    return rows, view, _iteration_keys(pol, keys[num_policies + pol.index])
+    return rows, view, _replicated(pol, keys[num_policies + pol.index])
 
 
 def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: Sequence[tuple], round_index: int,
@@ -263,11 +251,11 @@ def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: 
     """([new PolicyState], [update metrics on the host], [stamps]): every policy's update dispatched before any
     metric is read; the metrics fetched once."""
     new_states, raws, stamps = [], [], []
-    for pol, ps, (rows, view, ukeys) in zip(policies, states, staged):
+    for pol, ps, (rows, view, ukey) in zip(policies, states, staged):
         with guard():
             if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
                 rows = rows.replace(ref_logp=pol.ref_logp(ps.ref_params, rows))
-            new, raw = _update_policy(pol, ps, rows, view, ukeys, round_index)
+            new, raw = _update_policy(pol, ps, rows, view, ukey, round_index)
         new_states.append(new)
         raws.append(raw)
         stamps.append({"update_dispatched": time.perf_counter() - t0})
