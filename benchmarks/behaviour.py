@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))   # support: the run comparisons
 RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "groups.jsonl")
 SKIPPED_CONFIGS = ("real_checkpoints.yaml",)
 TIME_KEYS = ("time", "wall", "_s", "per_s", "seconds", "timestamp", "compile")
@@ -93,7 +93,7 @@ def _records(path: Path) -> list:
 def compare(a: Path, b: Path, rtol: float = 1e-6) -> dict:
     """``{run: [differences]}`` between two recordings (an empty list: the same to ``rtol``)."""
     import numpy as np
-    from soak import checkpoint_leaves
+    from support import checkpoint_leaves
 
     report = {}
     for run in sorted(p.name for p in a.iterdir() if p.is_dir() and p.name != "runs"):

@@ -50,14 +50,14 @@ def plans() -> dict:
 
 _CHILD = r"""
 import json, sys, time
-sys.path.insert(0, {repo!r})
-from benchmarks import soak
-soak.enable_compile_cache()
+sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
+import support
+support.enable_compile_cache()
 from mrl_jax.trainer.loop import train
-cfg = soak.tiny_config(rounds={rounds}, **{{"policies.0.cost": 1.0, "policies.1.cost": 3.0}})
+cfg = support.tiny_config(rounds={rounds}, **{{"policies.0.cost": 1.0, "policies.1.cost": 3.0}})
 cfg["mwra"] = {{"min_size": 0}}
 cfg["report_to"] = ["jsonl"]
-train(soak.to_run_config(cfg), sys.argv[1], progress=False)
+train(support.to_run_config(cfg), sys.argv[1], progress=False)
 """
 
 

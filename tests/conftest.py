@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # the tests import benchmarks/ (soak: tiny configs, fault rewards, child runs)
+if str(REPO) not in sys.path:  # the tests of benchmarks/ import them; tests/support.py is the suite's own library
     sys.path.insert(0, str(REPO))
 
 
@@ -36,8 +36,8 @@ def shared_tokenizers_dir() -> Path:
 def jax_compile_cache():
     """JAX's persistent compilation cache for one module (restored afterwards): the trainer-level modules
     compile the same tiny-config computations. Use with ``pytestmark = pytest.mark.usefixtures("jax_compile_cache")``."""
-    from benchmarks import soak
+    import support
 
-    restore = soak.enable_compile_cache()
+    restore = support.enable_compile_cache()
     yield
     restore()

@@ -31,12 +31,12 @@ if len(sys.argv) > 4 and sys.argv[1] in ("mp", "mpresume"):   # join the two-pro
 
 import numpy as np  # noqa: E402
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import worker_result  # noqa: E402
 
-soak.enable_compile_cache()
+support.enable_compile_cache()
 
 from mrl_jax import mwra, rollout_slots  # noqa: E402
 from mrl_jax.tasks import RewardScorer  # noqa: E402
@@ -46,11 +46,11 @@ from mrl_jax.trainer.round import run_round  # noqa: E402
 
 COSTS = {"policies.0.cost": 1.0, "policies.1.cost": 3.0}
 MWRA = {"min_size": 0}
-SIGNAL = {"faulty": {"seed": 0, "p": {}}}   # soak.digit_reward: a learning signal even for random tiny models   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
+SIGNAL = {"faulty": {"seed": 0, "p": {}}}   # support.digit_reward: a learning signal even for random tiny models   # shard every leaf the rules allow (the tiny model's leaves are all below the default)
 
 
 def cfg_of(**overrides):
-    return soak.to_run_config(soak.tiny_config(**{**COSTS, "mwra": dict(MWRA), **overrides}))
+    return support.to_run_config(support.tiny_config(**{**COSTS, "mwra": dict(MWRA), **overrides}))
 
 
 def sharded_leaves(states) -> int:
@@ -103,7 +103,7 @@ def main(root: Path) -> dict:
 
     # -- one whole round under transfer_guard("disallow") (device parts), timestamps of dispatch / ready
     run = Run(cfg_of())
-    with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
+    with RewardScorer(support.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
         state, metrics, _ = run_round(run.policies, run.initial_state(), run.round_inputs(0), scorer,
                                       device_guard="disallow")
     res["guard_round_ok"] = True
@@ -127,10 +127,10 @@ def main(root: Path) -> dict:
 
     # -- 8 devices vs 1 device: same round-0 metrics and final params
     cfg2 = cfg_of(rounds=2)
-    one = dict(soak.tiny_config(**COSTS, rounds=2))
+    one = dict(support.tiny_config(**COSTS, rounds=2))
     one["mwra"] = {**MWRA, "devices": 1}
     train(cfg2, root / "eq8", progress=False)
-    train(soak.to_run_config(one), root / "eq1", progress=False)
+    train(support.to_run_config(one), root / "eq1", progress=False)
     plan1 = json.loads((root / "eq1" / "plan.json").read_text())
     res["plan1_devices"] = [p["device_ids"] for p in plan1["policies"]]
     a, b = metrics_rows(root / "eq8"), metrics_rows(root / "eq1")
@@ -157,13 +157,13 @@ def invariance_case(root: Path, devices: int, prompts: int) -> dict:
     """The same 2-round config, ``prompts`` prompts per round, on ``devices`` devices (half each policy) and on
     one device: per-row rewards of round 0 (every sample), logged samples, round-0 metrics, final params."""
     over = {"rounds": 2, "prompts_per_round": prompts}
-    many = soak.tiny_config(**over, **{"policies.0.devices": devices // 2, "policies.1.devices": devices // 2})
+    many = support.tiny_config(**over, **{"policies.0.devices": devices // 2, "policies.1.devices": devices // 2})
     many["mwra"] = {**MWRA, "devices": devices}
-    one = soak.tiny_config(**over)
+    one = support.tiny_config(**over)
     one["mwra"] = {**MWRA, "devices": 1}
     runs = {"many": root / f"many{devices}", "one": root / f"one{devices}"}
     for name, d in (("many", many), ("one", one)):   # digit reward: non-zero advantages, so the params move
-        train(soak.to_run_config(d), runs[name], reward_specs=soak.reward_specs(SIGNAL), progress=False)
+        train(support.to_run_config(d), runs[name], reward_specs=support.reward_specs(SIGNAL), progress=False)
     plans = {k: [p["device_ids"] for p in json.loads((d / "plan.json").read_text())["policies"]]
              for k, d in runs.items()}
     groups = {k: {r["policy"]: r["rewards"] for r in jsonl_rows(d / "groups.jsonl") if r["round"] == 0}
@@ -201,13 +201,13 @@ def invariance_dynamic(root: Path) -> dict:
 
     over = {"rounds": 2, "prompts_per_round": 5, "dynamic_sampling": {"enable": True, "max_num_gen_batches": 3},
             "policies.0.probes": "none", "policies.1.probes": "none"}   # a peer-reading probe keeps all-fail groups
-    many = soak.tiny_config(**over, **{"policies.0.devices": 2, "policies.1.devices": 2})
+    many = support.tiny_config(**over, **{"policies.0.devices": 2, "policies.1.devices": 2})
     many["mwra"] = {**MWRA, "devices": 4}
-    one = soak.tiny_config(**over)
+    one = support.tiny_config(**over)
     one["mwra"] = {**MWRA, "devices": 1}
     runs = {"many": root / "ds_many", "one": root / "ds_one"}
     for name, d in (("many", many), ("one", one)):
-        train(soak.to_run_config(d), runs[name], reward_specs=[RewardSpec(_half_uniform, name="half")],
+        train(support.to_run_config(d), runs[name], reward_specs=[RewardSpec(_half_uniform, name="half")],
               progress=False)
     groups = {k: [(r["policy"], r["round"], r["prompt_ids"], r["rewards"]) for r in jsonl_rows(d / "groups.jsonl")]
               for k, d in runs.items()}
@@ -245,12 +245,12 @@ def restore4(root: Path) -> dict:
 
 def timeshare(root: Path) -> dict:
     """3 policies on 2 devices (time_share: pack, equal costs): policy i on device i % 2, one round runs."""
-    d = soak.tiny_config(rounds=1)
+    d = support.tiny_config(rounds=1)
     d["policies"].append({**d["policies"][0], "name": "third"})
     for p in d["policies"]:
         p["cost"] = 1.0
     d["report_to"] = ["jsonl"]
-    s = train(soak.to_run_config(d), root / "share", progress=False)
+    s = train(support.to_run_config(d), root / "share", progress=False)
     return {"num_devices": len(jax.devices()), "mode": s["plan"]["mode"],
             "placement": {n: p["placement"] for n, p in s["policies"].items()},
             "shares_with": {p["name"]: p["shares_with"] for p in s["plan"]["policies"]},
@@ -261,12 +261,12 @@ def mp_config():
     """8 global devices (4 per process): llama_bpe on the first 6 (all of process 0's and 2 of process 1's: a
     mesh spanning both processes; 6 sampler slots, fewer than its rows, so rows enter as slots free across the
     processes), gpt2_uni on the last 2 (inside process 1)."""
-    d = soak.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2,
+    d = support.tiny_config(rounds=3, **{"policies.0.devices": 6, "policies.1.devices": 2,
                                        "policies.0.sampling.slots": 6,
                                        "policies.0.grpo": {"beta": 0.04}})   # a KL reference on the spanning mesh
     d["mwra"] = dict(MWRA)
     d["report_to"] = ["jsonl"]
-    return soak.to_run_config(d)
+    return support.to_run_config(d)
 
 
 def mp(root: Path) -> dict:

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax.cli import main  # noqa: E402
 from mrl_jax.configs import ConfigError  # noqa: E402
 
@@ -24,7 +24,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 
 def _config(tmp_path, **overrides) -> Path:
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(soak.tiny_config(**overrides)))
+    path.write_text(yaml.safe_dump(support.tiny_config(**overrides)))
     return path
 
 
@@ -73,8 +73,8 @@ def test_wandb_without_a_login_is_one_line_naming_offline_mode(tmp_path, monkeyp
 def test_warm_start_loss_in_progress_and_summary(tmp_path, capsys):
     from mrl_jax.trainer import train
 
-    cfg = soak.to_run_config(soak.tiny_config(rounds=1, **{"policies.0.warm_start": {"steps": 3, "batch_size": 8}}))
-    summary = train(cfg, tmp_path / "run", reward_specs=soak.reward_specs({"faulty": {"seed": 0, "p": {}}}))
+    cfg = support.to_run_config(support.tiny_config(rounds=1, **{"policies.0.warm_start": {"steps": 3, "batch_size": 8}}))
+    summary = train(cfg, tmp_path / "run", reward_specs=support.reward_specs({"faulty": {"seed": 0, "p": {}}}))
     ws = summary["policies"]["llama_bpe"]["warm_start"]
     assert ws["steps"] == 3 and ws["loss_min"] <= min(ws["loss_first"], ws["loss_last"]) and ws["loss_first"] > 0
     assert "warm_start" not in summary["policies"]["gpt2_uni"]   # no warm start configured

@@ -141,11 +141,11 @@ def _half_uniform(prompt, completion):
 def test_oversampled_round_is_the_selection_of_its_batches_sampled_alone():
     """A round with dynamic sampling == its batches sampled one by one (same rows, same rewards: a row's noise
     is a function of (run key, round, batch, row)), picked by ``select``; counters logged per policy."""
-    from benchmarks import soak
+    import support
     from mrl_jax.tasks import RewardScorer, RewardSpec
     from mrl_jax.trainer import Run, run_round
 
-    cfg = soak.to_run_config(soak.tiny_config(**{"dynamic_sampling": {"enable": True, "max_num_gen_batches": 3},
+    cfg = support.to_run_config(support.tiny_config(**{"dynamic_sampling": {"enable": True, "max_num_gen_batches": 3},
                                                  "policies.0.probes": "none", "policies.1.probes": "none"}))
     run = Run(cfg)
     assert [p.probe.name for p in run.policies] == ["filter_groups", "filter_groups"]

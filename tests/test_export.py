@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax import cli  # noqa: E402
 from mrl_jax.export import ExportError, export_policy  # noqa: E402
 from mrl_jax.models import lora as lora_lib  # noqa: E402
@@ -36,10 +36,10 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 def run(tmp_path_factory):
     """(run dir, RunConfig, {policy: (Policy, restored PolicyState)}, initial RunState): a 2-round run."""
     out = tmp_path_factory.mktemp("run")
-    cfg = soak.to_run_config(soak.tiny_config(**{
+    cfg = support.to_run_config(support.tiny_config(**{
         "rounds": 2, "checkpoint_every": 1, "policies.0.probes": "none", "policies.1.probes": "none",
         "policies.1.lora": {"rank": 2, "alpha": 4.0}, "policies.1.optimizer.learning_rate": 0.05}))
-    train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    train(cfg, out, reward_specs=support.reward_specs(SIGNAL), progress=False)
     built = Run(cfg)
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     state, _ = ckpt.restore(built.state_template())

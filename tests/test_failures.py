@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax.cli import main  # noqa: E402
 from mrl_jax.compile_stats import CompileCounter  # noqa: E402
 
@@ -33,7 +33,7 @@ HOLD_LOCK = ("import sys, time\n"
 
 def _config(tmp_path, name="cfg.yaml", **overrides) -> Path:
     path = tmp_path / name
-    path.write_text(yaml.safe_dump(soak.tiny_config(**overrides)))
+    path.write_text(yaml.safe_dump(support.tiny_config(**overrides)))
     return path
 
 
@@ -288,7 +288,7 @@ LINES = {"coordinator_never_answers": 2}   # "waiting for coordinator ..." first
 
 @pytest.mark.parametrize("case, edit, code, needles", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_before_any_compile(tmp_path, capsys, monkeypatch, case, edit, code, needles):
-    cfg = soak.tiny_config()
+    cfg = support.tiny_config()
     argv = ["train", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "run")]
     extra = edit(cfg, tmp_path, monkeypatch)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
@@ -305,7 +305,7 @@ def test_dynamic_sampling_rounds_say_when_they_draw_more_and_when_they_keep_noth
     from mrl_jax.tasks import RewardSpec
     from mrl_jax.trainer import train
 
-    cfg = soak.to_run_config(soak.tiny_config(rounds=1, **{"dynamic_sampling": {"enable": True,
+    cfg = support.to_run_config(support.tiny_config(rounds=1, **{"dynamic_sampling": {"enable": True,
                                                                                 "max_num_gen_batches": 3}}))
     train(cfg, tmp_path / "run", reward_specs=[RewardSpec(lambda prompt, completion: 1.0, name="constant")],
           progress=False)
@@ -331,7 +331,7 @@ def test_reward_errors_are_one_stderr_line_per_round(tmp_path, capsys):
     from mrl_jax.tasks import RewardSpec
     from mrl_jax.trainer import train
 
-    cfg = soak.to_run_config(soak.tiny_config(rounds=2, max_reward_failures=1000))
+    cfg = support.to_run_config(support.tiny_config(rounds=2, max_reward_failures=1000))
     train(cfg, tmp_path / "run", reward_specs=[RewardSpec(_raises_on_odd_length, name="odd")], progress=False)
     lines = [line for line in capsys.readouterr().err.splitlines() if "reward 'odd' failed" in line]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -417,7 +417,7 @@ def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
     import time
 
     out = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **soak.compile_cache_env())
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **support.compile_cache_env())
     argv = ["train", "--config", str(_config(tmp_path, rounds=200)), "--out", str(out)]
     child = subprocess.Popen([sys.executable, "-m", "mrl_jax.cli", *argv], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)

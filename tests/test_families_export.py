@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax.configs import from_dict, load_yaml, to_dict  # noqa: E402
 from mrl_jax.export import export_policy  # noqa: E402
 from mrl_jax.trainer import Run, train  # noqa: E402
@@ -50,7 +50,7 @@ def run(tmp_path_factory, shared_tokenizers_dir):
         pol["probes"] = "none"
     cfg = from_dict(RunConfig, raw)
     out = root / "run"
-    train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    train(cfg, out, reward_specs=support.reward_specs(SIGNAL), progress=False)
     built = Run(cfg)
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     state, _ = ckpt.restore(built.state_template())

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import soak
+import support
 from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, device_use, devices_needed, largest_fitting,
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 
 def one_policy(**overrides):
-    cfg = soak.tiny_config(**overrides)
+    cfg = support.tiny_config(**overrides)
     cfg["policies"] = cfg["policies"][:1]
     cfg["policies"][0]["probes"] = "none"
     return cfg
@@ -31,7 +31,7 @@ def one_policy(**overrides):
 
 @pytest.fixture(scope="module")
 def planned():
-    run = Run(soak.to_run_config(one_policy(mwra={"memory_gb": 64.0})))
+    run = Run(support.to_run_config(one_policy(mwra={"memory_gb": 64.0})))
     return run, memory.plan_memory(run)
 
 
@@ -66,7 +66,7 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
     from mrl_jax.trainer.loop import train
 
     with pytest.raises(ConfigError) as e:   # stops at start: nothing is written past the plan
-        train(soak.to_run_config(one_policy(mwra={"memory_gb": limit_gb})), tmp_path / "run", progress=False)
+        train(support.to_run_config(one_policy(mwra={"memory_gb": limit_gb})), tmp_path / "run", progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "'policies.llama_bpe'" in msg and "lora.rank: 16" in msg, msg
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
@@ -75,7 +75,7 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
     n = int(re.search(r"(\d+) device\(s\) for it", msg).group(1))
     assert n >= 1
     # the fix, applied, passes the same check
-    rerun = Run(soak.to_run_config(one_policy(mwra={"memory_gb": limit_gb},
+    rerun = Run(support.to_run_config(one_policy(mwra={"memory_gb": limit_gb},
                                               **{"policies.0.optimizer": {"learning_rate": 1e-3,
                                                                           "micro_batch_size": m}})))
     fixed = memory.plan_memory(rerun)
@@ -83,7 +83,7 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
 
 
 def test_cpu_without_memory_gb_compiles_nothing():
-    run = Run(soak.to_run_config(one_policy()))
+    run = Run(support.to_run_config(one_policy()))
     assert memory.plan_memory(run) is None
 
 
@@ -184,7 +184,7 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = one_policy(task={"name": "jsonl", "path": str(path), "seed": 0}, overlong_prompts=overlong,
                      **{"policies.0.max_prompt_length": 48})
-    run = Run(soak.to_run_config(cfg), place=False)
+    run = Run(support.to_run_config(cfg), place=False)
     pol = run.policies[0]
     width = memory.prompt_width(run, pol)
     raw = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts]))

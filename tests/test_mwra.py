@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import worker_result
-from benchmarks import soak
+import support
 from mrl_jax import mwra
 from mrl_jax.mwra import allocate, plan, proportional_split
 
@@ -282,7 +282,7 @@ def test_heartbeat_timeout_reaches_jax(clean_env):
 @pytest.fixture(scope="module")
 def local8(tmp_path_factory):
     result = tmp_path_factory.mktemp("mwra") / "local8.json"
-    r = subprocess.run([sys.executable, str(WORKER), "local"], env=worker_result.env_for(soak.forced_devices_env(8), result),
+    r = subprocess.run([sys.executable, str(WORKER), "local"], env=worker_result.env_for(support.forced_devices_env(8), result),
                        capture_output=True, text=True, timeout=240, cwd=REPO)
     assert r.returncode == 0, f"worker failed ({r.returncode}):\n{r.stderr[-4000:]}"
     return worker_result.read(result, r.stdout)
@@ -327,7 +327,7 @@ def test_two_processes_jax_distributed(tmp_path):
     port = _free_port()
     results = [tmp_path / f"process{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)],
-                              env=worker_result.env_for(soak.forced_devices_env(2), results[i]),
+                              env=worker_result.env_for(support.forced_devices_env(2), results[i]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for i in range(2)]
     outs = []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import worker_result
-from benchmarks import soak
+import support
 from mrl_jax.configs import ConfigError
 from mrl_jax.trainer.placement import config_rules, pad_prompts, plan_run
 
@@ -34,7 +34,7 @@ def fakes(n):
 
 
 def cfg(**overrides):
-    return soak.to_run_config(soak.tiny_config(**overrides))
+    return support.to_run_config(support.tiny_config(**overrides))
 
 
 # ------------------------------------------------------------------------- the plan (in process)
@@ -77,12 +77,12 @@ def test_placement_errors_are_one_line_naming_the_key(overrides, key, words):
 
 
 def test_time_share_pack_on_fewer_devices():
-    three = soak.tiny_config()
+    three = support.tiny_config()
     three["policies"].append({**three["policies"][0], "name": "third"})
-    p = plan_run(soak.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
+    p = plan_run(support.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
     assert p.mode == "time_share:pack" and [q.device_ids for q in p.policies] == [(0,), (1,), (0,)]
     three["mwra"] = {"time_share": "full"}
-    p = plan_run(soak.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
+    p = plan_run(support.to_run_config(three), [1, 1, 1], [1, 1, 1], fakes(2))
     assert [q.device_ids for q in p.policies] == [(0, 1)] * 3
 
 
@@ -105,7 +105,7 @@ def test_config_rules_and_padding():
 # ------------------------------------------------------------------ forced devices (subprocesses)
 def _worker(mode: str, root: Path, devices: int, timeout: int = 600) -> dict:
     result = root / f"{mode}.result.json"
-    env = worker_result.env_for(dict(soak.forced_devices_env(devices), **soak.compile_cache_env()), result)
+    env = worker_result.env_for(dict(support.forced_devices_env(devices), **support.compile_cache_env()), result)
     proc = subprocess.run([sys.executable, str(WORKER), mode, str(root)], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -212,7 +212,7 @@ def _free_port() -> int:
 def _start_two(mode: str, root: Path) -> tuple[list, list]:
     """placement_worker ``mode`` as 2 local CPU processes x 4 forced devices (gloo); (processes, result paths)."""
     port = _free_port()
-    env = dict(soak.forced_devices_env(4), **soak.compile_cache_env())
+    env = dict(support.forced_devices_env(4), **support.compile_cache_env())
     paths = [root / f"{mode}{i}.result.json" for i in range(2)]
     return [subprocess.Popen([sys.executable, str(WORKER), mode, str(root), str(i), str(port)],
                              env=worker_result.env_for(env, paths[i]), cwd=str(REPO), stdout=subprocess.PIPE,
@@ -241,8 +241,8 @@ def _kill_after_first_checkpoint(procs: list, ckpts: Path, timeout: float = 900)
 def _metrics_close(a: Path, b: Path, tol: float = 1e-5) -> None:
     """Two runs' metrics.jsonl: same records and keys, numbers within ``tol`` (relative) -- the spanning update's
     reductions (entropy) run in another order than on one process; wall-clock figures dropped."""
-    ra = [soak.strip_times(r) for r in soak.read_jsonl(a / "metrics.jsonl")]
-    rb = [soak.strip_times(r) for r in soak.read_jsonl(b / "metrics.jsonl")]
+    ra = [support.strip_times(r) for r in support.read_jsonl(a / "metrics.jsonl")]
+    rb = [support.strip_times(r) for r in support.read_jsonl(b / "metrics.jsonl")]
     assert len(ra) == len(rb) and [sorted(x) for x in ra] == [sorted(y) for y in rb]
     for x, y in zip(ra, rb):
         for k, v in x.items():
@@ -297,7 +297,7 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
         assert pl["gpt2_uni"]["param_devices"] == local[1][2:]
     ref = _worker("mpref", tmp_path, 8)
     assert ref["placement"]["llama_bpe"]["devices"] == [0, 1, 2, 3, 4, 5]
-    assert set(soak.record_differences(tmp_path / "mp", tmp_path / "ref")) <= {"metrics.jsonl"}   # samples, groups
+    assert set(support.record_differences(tmp_path / "mp", tmp_path / "ref")) <= {"metrics.jsonl"}   # samples, groups
     _metrics_close(tmp_path / "mp", tmp_path / "ref")
 
     def final(run_dir):

@@ -121,20 +121,20 @@ def test_mrl_train_runs_the_worked_example_and_a_probe_from_outside_the_repo(tmp
 
     import yaml
 
-    from benchmarks import soak
+    import support
     from mrl_jax.cli import main
 
     (tmp_path / "lab_probes_outside.py").write_text(OUTSIDE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    data = soak.tiny_config(rounds=2, **{"policies.0.probes": f"{HEDGE}:lam=0.5+sgt",
+    data = support.tiny_config(rounds=2, **{"policies.0.probes": f"{HEDGE}:lam=0.5+sgt",
                                          "policies.1.probes": "lab_probes_outside:gentle_sgt:lam=0.02+xgrpo"})
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(data))
     out = tmp_path / "run"
     assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["rounds"] == 2
-    records = soak.training_records(out)
-    assert soak.contiguity_problems(records, ["llama_bpe", "gpt2_uni"], 2) == []
+    records = support.training_records(out)
+    assert support.contiguity_problems(records, ["llama_bpe", "gpt2_uni"], 2) == []
     llama = [r for r in records if r["policy"] == "llama_bpe"]
     gpt2 = [r for r in records if r["policy"] == "gpt2_uni"]
     assert all(r["hedge/lam"] == 0.5 and "sgt/rows_fired" in r for r in llama)

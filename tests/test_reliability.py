@@ -3,7 +3,7 @@ and retention, failing rewards, guarded updates, and clear errors for bad input.
 
 Every run is the tiny two-policy config (experiments/configs/tiny_two_policy.yaml: Llama + byte-level BPE,
 GPT-2 + Unigram, hidden 32, one layer, 4 prompts x 4 generations, 6 new tokens) with the same shapes, and a
-persistent XLA compilation cache (benchmarks/soak.py: ``compile_cache_dir``) shared with the child processes,
+persistent XLA compilation cache (tests/support.py: ``compile_cache_dir``) shared with the child processes,
 so a computation is compiled once per session and a fresh ``train`` (or process) loads it.
 """
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402  (fault rewards, child process, run comparisons)
+import support  # noqa: E402
 from mrl_jax.configs import ConfigError, load_yaml  # noqa: E402
 from mrl_jax.tasks import RewardFailure, RewardSpec  # noqa: E402
 from mrl_jax.trainer import Run, TrainingStopped, train  # noqa: E402
@@ -40,7 +40,7 @@ SIGNAL = {"faulty": {"seed": 0, "p": {}}}  # digit_reward: a learning signal eve
 
 
 def cfg_of(**overrides) -> RunConfig:
-    return soak.to_run_config(soak.tiny_config(**overrides))
+    return support.to_run_config(support.tiny_config(**overrides))
 
 
 def base_overrides(**more) -> dict:
@@ -49,13 +49,13 @@ def base_overrides(**more) -> dict:
 
 def assert_same_as_reference(reference, out):
     """Final checkpoint arrays bit for bit, and every record file (metrics with eval rows, samples, groups)."""
-    same = soak.compare_runs(reference, out)
+    same = support.compare_runs(reference, out)
     assert same["arrays_equal"] and same["metrics_equal"], same
-    assert soak.record_differences(reference, out) == {}
+    assert support.record_differences(reference, out) == {}
 
 
 def leaves_by_path(out, round_index) -> dict:
-    return dict(soak.checkpoint_leaves(out, round_index)[0])
+    return dict(support.checkpoint_leaves(out, round_index)[0])
 
 
 def policy_arrays(leaves: dict, index: int) -> dict:
@@ -70,7 +70,7 @@ def arrays_equal(a: dict, b: dict) -> bool:
 def reference(tmp_path_factory):
     """An uninterrupted run of ROUNDS rounds, a checkpoint every round, keep 2."""
     out = tmp_path_factory.mktemp("reference")
-    train(cfg_of(**base_overrides()), out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    train(cfg_of(**base_overrides()), out, reward_specs=support.reward_specs(SIGNAL), progress=False)
     return out
 
 
@@ -78,10 +78,10 @@ def reference(tmp_path_factory):
 def test_reference_run_writes_everything_and_keeps_k(reference):
     for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json"):
         assert (reference / name).is_file(), name
-    assert soak.checkpoint_rounds(reference) == [ROUNDS - 2, ROUNDS - 1]  # keep_checkpoints = 2
+    assert support.checkpoint_rounds(reference) == [ROUNDS - 2, ROUNDS - 1]  # keep_checkpoints = 2
     assert not [n for n in os.listdir(reference / "checkpoints") if "tmp" in n]
-    records = soak.training_records(reference)
-    assert soak.contiguity_problems(records, POLICIES, ROUNDS) == []
+    records = support.training_records(reference)
+    assert support.contiguity_problems(records, POLICIES, ROUNDS) == []
     # the runs compared below really learn: params move every round
     first, last = leaves_by_path(reference, ROUNDS - 2), leaves_by_path(reference, ROUNDS - 1)
     assert not arrays_equal(policy_arrays(first, 0), policy_arrays(last, 0))
@@ -91,58 +91,58 @@ def test_reference_run_writes_everything_and_keeps_k(reference):
 
 def test_resume_continues_rounds_and_metrics_bit_identically(reference, tmp_path):
     out = tmp_path / "run"
-    train(cfg_of(**base_overrides(rounds=2)), out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
-    assert soak.checkpoint_rounds(out) == [0, 1]
-    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+    train(cfg_of(**base_overrides(rounds=2)), out, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    assert support.checkpoint_rounds(out) == [0, 1]
+    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
                     progress=False)
     assert summary["resumed_from"] == 1
-    assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
+    assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
-    assert soak.checkpoint_rounds(out) == [2, 3]
+    assert support.checkpoint_rounds(out) == [2, 3]
 
 
 def test_sigkill_mid_run_then_resume_equals_uninterrupted(reference, tmp_path):
     out = tmp_path / "killed"
-    res = soak.run_child(soak.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_round=1)
+    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_round=1)
     assert res["killed"] and res["returncode"] == -9, res
     ckpt = RunCheckpointer(out)
     latest = ckpt.latest_round()
     ckpt.close()
     assert latest is not None and 1 <= latest < ROUNDS - 1  # killed with rounds left to redo
-    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL), progress=False)
-    assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
+    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
 
 
 def test_sigkill_right_after_checkpoint_keeps_every_record(reference, tmp_path):
     """Killed the moment round 1's checkpoint is complete: that round's held-out eval (eval_every 2) is already
     logged, so the resumed run's files equal the uninterrupted run's, eval rows included."""
-    evals = [r["round"] for r in soak.read_jsonl(reference / "metrics.jsonl") if r["policy"].endswith("/eval")]
+    evals = [r["round"] for r in support.read_jsonl(reference / "metrics.jsonl") if r["policy"].endswith("/eval")]
     assert evals == [1, 1, 3, 3]
     out = tmp_path / "killed_after_save"
-    res = soak.run_child(soak.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_save=1)
+    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_save=1)
     assert res["returncode"] == -9, res
-    assert soak.checkpoint_rounds(out) == [0, 1]
-    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    assert support.checkpoint_rounds(out) == [0, 1]
+    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL), progress=False)
     assert_same_as_reference(reference, out)
 
 
 def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp_path, capsys):
     out = tmp_path / "killed_in_save"
-    res = soak.run_child(soak.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_in_save=2)
+    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_in_save=2)
     assert res["returncode"] == -9, res
     names = os.listdir(out / "checkpoints")
     assert any(n.startswith("2.") and "tmp" in n for n in names), names  # the partial write is there ...
     ckpt = RunCheckpointer(out)
     assert ckpt.latest_round() == 1  # ... but never the latest
     ckpt.close()
-    assert soak.last_logged_round(out) == 2  # round 2 was logged before its checkpoint write was killed
+    assert support.last_logged_round(out) == 2  # round 2 was logged before its checkpoint write was killed
     capsys.readouterr()
-    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
                     progress=False)
     assert "differs" not in capsys.readouterr().err  # same config: no "config differs" warning
     assert summary["resumed_from"] == 1
-    assert soak.contiguity_problems(soak.training_records(out), POLICIES, ROUNDS) == []
+    assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]  # leftover removed, keep-2 applied
 
@@ -154,7 +154,7 @@ def test_existing_checkpoints_need_resume(reference, tmp_path, capsys):
     from mrl_jax.cli import main
 
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump(soak.tiny_config(**base_overrides())))
+    cfg_path.write_text(yaml.safe_dump(support.tiny_config(**base_overrides())))
     try:  # the CLI reports it (an exit code and the message) or lets the CheckpointError through
         rc = main(["train", "--config", str(cfg_path), "--out", str(reference)])
         assert rc != 0 and "--resume" in capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_corrupted_checkpoint_names_dir_and_fix(reference, tmp_path, template):
         if f.is_file():
             f.write_bytes(b"garbage")
     with pytest.raises(CheckpointError) as e:   # one more round: a resume of a finished run reads no checkpoint
-        train(cfg_of(**base_overrides(rounds=ROUNDS + 1)), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+        train(cfg_of(**base_overrides(rounds=ROUNDS + 1)), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
               progress=False)
     msg = str(e.value)
     assert str(out / "checkpoints" / "3") in msg and "corrupted" in msg
@@ -220,7 +220,7 @@ def test_resume_with_checkpoints_deleted_refuses(reference, tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint") as e:
         train(cfg_of(**base_overrides()), out, resume=True, progress=False)
     assert "metrics.jsonl" in str(e.value) and "new --out" in str(e.value)
-    assert len(soak.training_records(out)) == 2 * ROUNDS  # the logs were not touched
+    assert len(support.training_records(out)) == 2 * ROUNDS  # the logs were not touched
 
 
 def test_new_run_into_directory_with_records_refused(reference, tmp_path, capsys):
@@ -236,7 +236,7 @@ def test_new_run_into_directory_with_records_refused(reference, tmp_path, capsys
     from mrl_jax.cli import main
 
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump(soak.tiny_config(**base_overrides())))
+    cfg_path.write_text(yaml.safe_dump(support.tiny_config(**base_overrides())))
     assert main(["train", "--config", str(cfg_path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "already holds a run's records" in err and "\n" not in err
@@ -257,14 +257,14 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_resume_with_other_rounds_under_decaying_schedule_refused(reference, tmp_path):
     out = tmp_path / "rounds"
     shutil.copytree(reference, out)
-    cfg = soak.tiny_config(**base_overrides(rounds=ROUNDS + 3))
+    cfg = support.tiny_config(**base_overrides(rounds=ROUNDS + 3))
     cfg["policies"][1]["optimizer"]["schedule"] = "cosine"
     with pytest.raises(ConfigError, match="'rounds'") as e:
-        train(soak.to_run_config(cfg), out, resume=True, progress=False)
+        train(support.to_run_config(cfg), out, resume=True, progress=False)
     msg = str(e.value)
     assert f"rounds: {ROUNDS}" in msg and f"rounds: {ROUNDS + 3}" in msg
     assert "policies[1].optimizer.schedule: cosine" in msg
-    assert soak.checkpoint_rounds(out) == soak.checkpoint_rounds(reference)   # nothing ran
+    assert support.checkpoint_rounds(out) == support.checkpoint_rounds(reference)   # nothing ran
 
 
 def test_resume_with_changed_probes_is_one_warning_line(reference, capsys):
@@ -280,36 +280,36 @@ def test_resume_with_changed_probes_is_one_warning_line(reference, capsys):
 
 # ----------------------------------------------------------------------------------------- rewards
 def test_failing_rewards_are_counted_and_do_not_stop_the_run(tmp_path):
-    F = soak.FaultyReward
+    F = support.FaultyReward
     specs = [RewardSpec(F(seed=1, p={"raise": 0.3}), name="raising", timeout_s=0.5),
              RewardSpec(F(seed=2, p={"hang": 0.08}, hang_s=0.8), name="hanging", timeout_s=0.5),
              RewardSpec(F(seed=3, p={"nan": 0.3}), name="nan", timeout_s=0.5),
              RewardSpec(F(seed=4, p={"string": 0.3}), name="string", timeout_s=0.5)]
     out = tmp_path / "faulty"
     train(cfg_of(**base_overrides(rounds=2)), out, reward_specs=specs, progress=False)
-    records = soak.training_records(out)
-    assert soak.contiguity_problems(records, POLICIES, 2) == []
+    records = support.training_records(out)
+    assert support.contiguity_problems(records, POLICIES, 2) == []
     total = lambda key: sum(r[key] for r in records)  # noqa: E731
     assert total("reward/raising/errors") > 0
     assert total("reward/hanging/timeouts") > 0
     assert total("reward/nan/nonfinite") > 0
     assert total("reward/string/bad_type") > 0
     assert all(np.isfinite(r["loss"]) and r["skipped"] == 0.0 for r in records)
-    assert (out / "summary.json").is_file() and soak.checkpoint_rounds(out) == [0, 1]
+    assert (out / "summary.json").is_file() and support.checkpoint_rounds(out) == [0, 1]
 
 
 def test_reward_failing_every_call_stops_with_logs_intact(tmp_path):
     # 2 policies x 16 calls per round: calls 0..63 (rounds 0, 1) succeed, then every call fails
-    specs = [RewardSpec(soak.FaultyReward(fail_after_calls=64), name="broken", timeout_s=0.5)]
+    specs = [RewardSpec(support.FaultyReward(fail_after_calls=64), name="broken", timeout_s=0.5)]
     out = tmp_path / "broken"
     with pytest.raises(RewardFailure) as e:
         train(cfg_of(**base_overrides(max_reward_failures=20)), out, reward_specs=specs, progress=False)
     msg = str(e.value)
     assert "'broken'" in msg and "consecutive" in msg and "round 2" in msg and "--resume" in msg
-    assert soak.contiguity_problems(soak.training_records(out), POLICIES, 2) == []
-    assert soak.checkpoint_rounds(out) == [0, 1]
+    assert support.contiguity_problems(support.training_records(out), POLICIES, 2) == []
+    assert support.checkpoint_rounds(out) == [0, 1]
     for r in (0, 1):
-        assert soak.checkpoint_leaves(out, r)[1] == {"round": r}
+        assert support.checkpoint_leaves(out, r)[1] == {"round": r}
     assert all(json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines())
     assert not (out / "summary.json").exists()
 
@@ -319,7 +319,7 @@ def test_reward_failing_every_call_stops_with_logs_intact(tmp_path):
 def test_nonfinite_update_is_skipped_then_run_stops_with_batch_saved(tmp_path):
     # policy 0's rewards are 3e38 from round 1 on (calls 32.. with n % 32 < 16): its group mean overflows,
     # the loss is NaN; policy 1 gets the ordinary signal. Probes 'none': nothing crosses between the two.
-    specs = [RewardSpec(soak.FaultyReward(huge_calls=(32, 0, 16), huge_from_call=32), name="huge",
+    specs = [RewardSpec(support.FaultyReward(huge_calls=(32, 0, 16), huge_from_call=32), name="huge",
                         timeout_s=0.5, high=3.4e38)]
     out = tmp_path / "nan"
     cfg = cfg_of(**base_overrides(max_skipped_updates=2, keep_checkpoints=4, **{"policies.0.probes": "none",
@@ -329,10 +329,10 @@ def test_nonfinite_update_is_skipped_then_run_stops_with_batch_saved(tmp_path):
     batch_file = out / "failed_batch_llama_bpe_round2.npz"
     msg = str(e.value)
     assert "llama_bpe" in msg and "gpt2_uni" not in msg and str(batch_file) in msg and "learning rate" in msg
-    records = soak.training_records(out)
+    records = support.training_records(out)
     skipped = {p: [r["skipped"] for r in records if r["policy"] == p] for p in POLICIES}
     assert skipped == {"llama_bpe": [0.0, 1.0, 1.0], "gpt2_uni": [0.0, 0.0, 0.0]}
-    assert soak.checkpoint_rounds(out) == [0, 1, 2]
+    assert support.checkpoint_rounds(out) == [0, 1, 2]
     ck = {r: leaves_by_path(out, r) for r in (0, 1, 2)}
     assert arrays_equal(policy_arrays(ck[0], 0), policy_arrays(ck[1], 0))  # params AND opt state unchanged
     assert arrays_equal(policy_arrays(ck[0], 0), policy_arrays(ck[2], 0))
@@ -369,7 +369,7 @@ def write_yaml(tmp_path, data, name="cfg.yaml") -> Path:
     (lambda c: c.pop("policies"), "policies", "missing required"),
 ])
 def test_bad_config_names_key_and_fix(tmp_path, edit, key, needle):
-    data = soak.tiny_config()
+    data = support.tiny_config()
     edit(data)
     path = write_yaml(tmp_path, data)
     with pytest.raises(ConfigError) as e:
@@ -388,7 +388,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
 def test_cli_reports_config_errors_with_exit_code(tmp_path, capsys):
     from mrl_jax.cli import main
 
-    data = soak.tiny_config()
+    data = support.tiny_config()
     data["roundz"] = 3
     rc = main(["train", "--config", str(write_yaml(tmp_path, data)), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
@@ -451,7 +451,7 @@ def test_overlong_prompts_truncated_and_counted(tmp_path):
                                                                            "policies.1.probes": "none"}))
     summary = train(cfg, out, progress=False)
     assert summary["prompts"]["train_prompts_overlong"] > 0
-    records = soak.training_records(out)
+    records = support.training_records(out)
     assert [r["data/prompts_truncated"] for r in records] == [4.0, 4.0]
     run = Run(cfg)
     inputs = run.round_inputs(0)
@@ -517,9 +517,9 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
 
     monkeypatch.setattr(round_mod, "_dispatch_rollout", dispatch)
     out = tmp_path / "degenerate"
-    train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
-    records = soak.training_records(out)
-    assert soak.contiguity_problems(records, POLICIES, 2) == []
+    train(cfg, out, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    records = support.training_records(out)
+    assert support.contiguity_problems(records, POLICIES, 2) == []
     assert all(np.isfinite(r["loss"]) and r["skipped"] == 0.0 for r in records)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert any(s["completion"] == "" for s in samples)

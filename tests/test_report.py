@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax import cli  # noqa: E402
 from mrl_jax.report import write_report  # noqa: E402
 from mrl_jax.trainer import train  # noqa: E402
@@ -32,13 +32,13 @@ FIGURES = ["reward", "kl", "entropy", "clip_ratio", "counters_prp", "counters_sg
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A 2-round tiny run with an eval every round, its progress output (stderr, not a terminal)."""
-    restore = soak.enable_compile_cache()
+    restore = support.enable_compile_cache()
     out = tmp_path_factory.mktemp("run")
-    cfg = soak.to_run_config(soak.tiny_config(**{"rounds": 2, "eval_every": 1, "see.success_threshold": TAU}))
+    cfg = support.to_run_config(support.tiny_config(**{"rounds": 2, "eval_every": 1, "see.success_threshold": TAU}))
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            train(cfg, out, reward_specs=soak.reward_specs({"faulty": {"seed": 0, "p": {}}}), progress=True)
+            train(cfg, out, reward_specs=support.reward_specs({"faulty": {"seed": 0, "p": {}}}), progress=True)
     finally:
         restore()
     return out, err.getvalue()

@@ -143,11 +143,11 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
     import sys
     from pathlib import Path
 
-    from benchmarks import soak
+    import support
     import worker_result
 
     result = tmp_path / "slots.result.json"
-    env = worker_result.env_for(dict(soak.forced_devices_env(4), **soak.compile_cache_env()), result)
+    env = worker_result.env_for(dict(support.forced_devices_env(4), **support.compile_cache_env()), result)
     worker = Path(__file__).with_name("slots_worker.py")
     proc = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600,
                           cwd=str(worker.parents[1]))
@@ -163,9 +163,9 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
 
 def test_sampling_slots_config_key():
     """``sampling.slots`` below 1 is one ConfigError naming the key; a valid value reaches the policy's sampler."""
-    from benchmarks import soak
+    import support
     from mrl_jax.configs import ConfigError
 
     with pytest.raises(ConfigError, match=r"policies\[0\]\.sampling\.slots': must be >= 1"):
-        soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 0}))
-    assert soak.to_run_config(soak.tiny_config(**{"policies.0.sampling.slots": 3})).policies[0].sampling.slots == 3
+        support.to_run_config(support.tiny_config(**{"policies.0.sampling.slots": 0}))
+    assert support.to_run_config(support.tiny_config(**{"policies.0.sampling.slots": 3})).policies[0].sampling.slots == 3

@@ -107,15 +107,15 @@ def test_peer_behaviour_logprobs_in_see_are_the_filtered_ones(filtering):
 
 def test_run_config_min_p():
     """``sampling.min_p`` reaches the policy's SamplingConfig; a bad value is a one-line config error."""
-    from benchmarks import soak
+    import support
     from mrl_jax.configs import ConfigError
 
     from mrl_jax.trainer.loop import Run
 
-    run = Run(soak.to_run_config(soak.tiny_config(**{"policies.0.sampling": {"max_new_tokens": 6, "min_p": 0.1}})))
+    run = Run(support.to_run_config(support.tiny_config(**{"policies.0.sampling": {"max_new_tokens": 6, "min_p": 0.1}})))
     assert run.policies[0].sampling.min_p == 0.1 and run.policies[0].sampling.filters
     with pytest.raises(ConfigError, match="min_p"):
-        soak.to_run_config(soak.tiny_config(**{"policies.0.sampling": {"max_new_tokens": 6, "min_p": 1.5}}))
+        support.to_run_config(support.tiny_config(**{"policies.0.sampling": {"max_new_tokens": 6, "min_p": 1.5}}))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(top_k=5), dict(top_p=0.8), dict(greedy=True)],

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import soak
+import support
 from mrl_jax import grpo
 from mrl_jax.configs import ConfigError
 from mrl_jax.learner import rows_logp
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 def _run(**overrides):
     """``(run, its initial state)`` of the tiny config with ``overrides``."""
-    run = Run(soak.to_run_config(soak.tiny_config(**overrides)))
+    run = Run(support.to_run_config(support.tiny_config(**overrides)))
     return run, run.initial_state()
 
 
@@ -44,8 +44,8 @@ class _Recorder:
 
 def _rounds(run, state, n, policies=None):
     out = []
-    # digit_reward (the soak's signal reward): rewards vary from round 0, so the policy moves
-    with RewardScorer(soak.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
+    # digit_reward (support's signal reward): rewards vary from round 0, so the policy moves
+    with RewardScorer(support.reward_specs({"faulty": {"seed": 0, "p": {}}})) as scorer:
         for r in range(n):
             state, metrics, _ = run_round(policies or run.policies, state, run.round_inputs(r), scorer)
             out.append(metrics)
@@ -141,11 +141,11 @@ def test_greedy_peer_fills_every_prp_slot_every_round():
 ])
 def test_run_config_rejects_contradictions(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        soak.to_run_config(soak.tiny_config(**override))
+        support.to_run_config(support.tiny_config(**override))
 
 
 def test_probe_options_agreeing_with_the_run_are_accepted():
-    soak.to_run_config(soak.tiny_config(**{"policies.0.probes": "sgt:tau=1.0", "policies.1.probes": "xgrpo:scale=group"}))
+    support.to_run_config(support.tiny_config(**{"policies.0.probes": "sgt:tau=1.0", "policies.1.probes": "xgrpo:scale=group"}))
 
 
 def test_text_budget_fits_the_longest_tokens():

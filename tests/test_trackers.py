@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax.configs import ConfigError  # noqa: E402
 from mrl_jax.trainer.metrics import RunLog  # noqa: E402
 from mrl_jax.trainer.trackers import tracker_name, tracker_scalars  # noqa: E402
@@ -40,12 +40,12 @@ def test_trl_names_for_the_same_concepts_and_the_rest_unchanged():
 
 
 def test_report_to_is_validated_in_the_run_config():
-    assert soak.to_run_config(soak.tiny_config()).report_to == ["tensorboard", "jsonl"]
-    assert soak.to_run_config(soak.tiny_config(report_to=["wandb", "jsonl"])).report_to == ["wandb", "jsonl"]
+    assert support.to_run_config(support.tiny_config()).report_to == ["tensorboard", "jsonl"]
+    assert support.to_run_config(support.tiny_config(report_to=["wandb", "jsonl"])).report_to == ["wandb", "jsonl"]
     with pytest.raises(ConfigError, match="report_to.*'mlflow'"):
-        soak.to_run_config(soak.tiny_config(report_to=["mlflow"]))
+        support.to_run_config(support.tiny_config(report_to=["mlflow"]))
     with pytest.raises(ConfigError, match="report_to"):
-        soak.to_run_config(soak.tiny_config(report_to="wandb"))  # a list, as in TRL
+        support.to_run_config(support.tiny_config(report_to="wandb"))  # a list, as in TRL
 
 
 def test_wandb_without_its_client_is_a_config_error(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax.configs import load_yaml  # noqa: E402
 from mrl_jax.trainer import Run, train  # noqa: E402
 from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
@@ -48,8 +48,8 @@ def runs(tmp_path_factory):
     def get(probe):
         if probe not in done:
             out = tmp_path_factory.mktemp(f"run_{probe}")
-            summary = train(soak.to_run_config(soak.tiny_config(**overrides(probe))), out,
-                            reward_specs=soak.reward_specs(SIGNAL), progress=False)
+            summary = train(support.to_run_config(support.tiny_config(**overrides(probe))), out,
+                            reward_specs=support.reward_specs(SIGNAL), progress=False)
             done[probe] = (out, summary)
         return done[probe]
 
@@ -66,9 +66,9 @@ def test_two_policy_run_completes_for_every_probe(probe_run):
     for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json"):
         assert (out / name).is_file(), name
     assert list((out / "tb").iterdir()), "TensorBoard events"
-    assert soak.checkpoint_rounds(out) == [0, 1]
-    records = soak.training_records(out)
-    assert soak.contiguity_problems(records, POLICIES, 2) == []
+    assert support.checkpoint_rounds(out) == [0, 1]
+    records = support.training_records(out)
+    assert support.contiguity_problems(records, POLICIES, 2) == []
     for rec in records:
         for key in ["loss", "reward/mean", "skipped", "completion/mean_length", "see/added", "time/update",
                     "data/prompts_rejected"] + PROBE_METRICS[probe]:
@@ -93,11 +93,11 @@ def test_probe_changes_the_update_only_when_it_has_something_to_add(probe, runs)
     independent GRPO exactly when the probe contributed (pooled baseline, peer rows, rescue rows)."""
     out, _ = runs(probe)
     base, _ = runs("none")
-    r0 = {r["policy"]: r for r in soak.training_records(out) if r["round"] == 0}
-    b0 = {r["policy"]: r for r in soak.training_records(base) if r["round"] == 0}
+    r0 = {r["policy"]: r for r in support.training_records(out) if r["round"] == 0}
+    b0 = {r["policy"]: r for r in support.training_records(base) if r["round"] == 0}
     for name in POLICIES:
         assert r0[name]["reward/mean"] == b0[name]["reward/mean"]  # identical rollouts and rewards
-    mine, theirs = dict(soak.checkpoint_leaves(out, 0)[0]), dict(soak.checkpoint_leaves(base, 0)[0])
+    mine, theirs = dict(support.checkpoint_leaves(out, 0)[0]), dict(support.checkpoint_leaves(base, 0)[0])
     for i, name in enumerate(POLICIES):
         keys = [k for k in mine if k.startswith(f"['policies'][{i}]['params']")]
         # "same" up to float reassociation: 1 % of one Adam step (learning rate 1e-3)
@@ -113,7 +113,7 @@ def test_cli_train_mixed_probes_then_eval_and_refuse_overwrite(tmp_path, capsys)
     """`mrl train` with the tiny config as shipped (xgrpo+sgt on one policy, prp on the other), then `mrl eval`."""
     from mrl_jax.cli import main
 
-    data = soak.tiny_config(rounds=2)
+    data = support.tiny_config(rounds=2)
     assert [p["probes"] for p in data["policies"]] == ["xgrpo+sgt", "prp"]
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(data))
@@ -121,8 +121,8 @@ def test_cli_train_mixed_probes_then_eval_and_refuse_overwrite(tmp_path, capsys)
     assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 2 and set(summary["policies"]) == set(POLICIES)
-    records = soak.training_records(out)
-    assert soak.contiguity_problems(records, POLICIES, 2) == []
+    records = support.training_records(out)
+    assert support.contiguity_problems(records, POLICIES, 2) == []
     llama = [r for r in records if r["policy"] == "llama_bpe"]
     gpt2 = [r for r in records if r["policy"] == "gpt2_uni"]
     assert "sgt/rows_fired" in llama[0] and "xgrpo/peer_solved_frac" in llama[0] and "prp/ess" in gpt2[0]
@@ -183,7 +183,7 @@ def test_experiment_configs_differ_only_in_probes():
 
 # --------------------------------------------------------------------------------- loop pieces
 def test_round_prompts_are_a_function_of_seed_and_round():
-    cfg = soak.to_run_config(soak.tiny_config())
+    cfg = support.to_run_config(support.tiny_config())
     a, b = Run(cfg), Run(cfg)
     for r in (0, 5):
         ia, ib = a.round_inputs(r), b.round_inputs(r)

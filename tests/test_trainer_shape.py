@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import soak  # noqa: E402
+import support  # noqa: E402
 from mrl_jax import see as S  # noqa: E402
 from mrl_jax.tasks import RewardScorer  # noqa: E402
 from mrl_jax.trainer import Run, RoundInfo, Trainer, TrainingStopped, train  # noqa: E402
@@ -34,19 +34,19 @@ SIGNAL = {"faulty": {"seed": 0, "p": {}}}
 
 
 def _cfg(**overrides):
-    return soak.to_run_config(soak.tiny_config(**{"policies.0.probes": "none", "policies.1.probes": "none",
+    return support.to_run_config(support.tiny_config(**{"policies.0.probes": "none", "policies.1.probes": "none",
                                                   **overrides}))
 
 
 def _stub(pol, skipped: float = 0.0):
     """``pol`` with an update that leaves params as they are and reports ``skipped`` (nothing compiled)."""
-    return dataclasses.replace(pol, update=lambda p, o, b, v, k: (p, o, {"loss": jnp.zeros(()),
-                                                                        "skipped": jnp.full((), skipped)}))
+    return dataclasses.replace(pol, update=lambda p, o, r, b, v, k, s: (p, o, r, {"loss": jnp.zeros(()),
+                                                                                  "skipped": jnp.full((), skipped)}))
 
 
 @pytest.fixture(scope="module")
 def scorer():
-    with RewardScorer(soak.reward_specs(SIGNAL)) as s:
+    with RewardScorer(support.reward_specs(SIGNAL)) as s:
         yield s
 
 
@@ -109,9 +109,9 @@ def test_constructor_warm_starts_nothing_and_resume_skips_initial_state(tmp_path
     orig = Run.initial_state
     monkeypatch.setattr(Run, "initial_state", lambda self, *a: counted.append(1) or orig(self, *a))
     out = tmp_path / "r"
-    train(cfg, out, reward_specs=soak.reward_specs(SIGNAL), progress=False)
+    train(cfg, out, reward_specs=support.reward_specs(SIGNAL), progress=False)
     assert counted == [1] and calls == [0.002, 0.002]
-    train(dataclasses.replace(cfg, rounds=2), out, resume=True, reward_specs=soak.reward_specs(SIGNAL),
+    train(dataclasses.replace(cfg, rounds=2), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
           progress=False)
     assert counted == [1] and calls == [0.002, 0.002]   # the resume restored onto the template: no warm start
 
@@ -211,7 +211,7 @@ def test_phase_timer_counts_an_inner_phase_once(monkeypatch):
 def test_round_metrics_split_views_from_thl(tmp_path):
     """Every round reports every phase (round-level wall times, the same in each policy's row); a consumer
     with peers spends part of the views phase in THL, counted under ``thl`` only."""
-    cfg = soak.to_run_config(soak.tiny_config(rounds=2, **{"policies.0.probes": "prp", "policies.1.probes": "none"}))
+    cfg = support.to_run_config(support.tiny_config(rounds=2, **{"policies.0.probes": "prp", "policies.1.probes": "none"}))
     from mrl_jax.trainer.round import ROUND_PHASES
 
     train(cfg, tmp_path / "run", progress=False)
