@@ -72,7 +72,7 @@ def test_more_eval_prompts_than_the_task_has_warns(capsys):
     cfg = from_dict(RunConfig, {"policies": [{"name": "a", "model": TINY, "sampling": {"max_new_tokens": 4},
                                               "tokenizer": {"kind": "char", "vocab_size": 300}}],
                                 "task": {"name": "arith"}, "num_generations": 2, "eval_prompts": 500})
-    run = Run(cfg, place=False)
+    run = Run(cfg)
     lines = _warnings(capsys.readouterr().err)
     assert lines == [f"warning: config key 'eval_prompts': 500, but the task has {len(run.eval_prompts)} held-out "
                      "prompts (after overlong_prompts); each evaluation uses those"]
@@ -102,7 +102,7 @@ def test_gpt2_prompts_longer_than_half_its_positions_run(tmp_path):
     assert summary["policies"]["g"]["eval"]["n"] == 2
     from mrl_jax.trainer import Run
 
-    pol = Run(cfg, place=False).policies[0]
+    pol = Run(cfg).policies[0]
     ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, ["x" * 290], max_width=pol.prompt_limit)
     assert pol.prompt_limit == 506 and ids.shape[1] == 506 and mask.sum() > 256
 
@@ -111,7 +111,7 @@ def test_max_prompt_length_beyond_the_positions_is_refused_at_start(tmp_path):
     from mrl_jax.trainer import Run
 
     with pytest.raises(ConfigError) as e:
-        Run(_gpt2_long_prompt_config(tmp_path, max_prompt_length=10000), place=False)
+        Run(_gpt2_long_prompt_config(tmp_path, max_prompt_length=10000))
     msg = str(e.value)
     assert "'policies.g.max_prompt_length': 10000 + sampling.max_new_tokens 6" in msg and "<= 506" in msg
 

@@ -184,7 +184,7 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = one_policy(task={"name": "jsonl", "path": str(path), "seed": 0}, overlong_prompts=overlong,
                      **{"policies.0.max_prompt_length": 48})
-    run = Run(support.to_run_config(cfg), place=False)
+    run = Run(support.to_run_config(cfg))
     pol = run.policies[0]
     width = memory.prompt_width(run, pol)
     raw = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts]))

@@ -76,7 +76,7 @@ def _host_state(run: Run, state: RunState) -> RunState:
     """What a checkpoint saves. One process: ``state`` (sharded arrays as they are). Several: orbax cannot
     save an array that lives inside one process of a multi-host run, so each policy's state is read where
     its mesh is and broadcast (`placement.fetch`), and every process saves the same host values."""
-    if jax.process_count() == 1 or run.placement is None:
+    if jax.process_count() == 1:
         return state
     pols = tuple(jax.tree.map(np.asarray, fetch(run.placement.meshes[i], ps)) for i, ps in enumerate(state.policies))
     return state.replace(policies=pols, see=jax.device_get(state.see))

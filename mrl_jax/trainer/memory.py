@@ -182,8 +182,6 @@ def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]
     """The run's memory plan (see module doc); None where no limit is known. ``ConfigError`` when it does not
     fit, one line per policy that does not."""
     cfg, placement = run.cfg, run.placement
-    if placement is None:
-        return None
     if cfg.mwra.memory_gb:
         limit, source = int(cfg.mwra.memory_gb * (1 << 30)), "mwra.memory_gb"
     else:

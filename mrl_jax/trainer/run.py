@@ -75,10 +75,10 @@ class Run:
     """A run's static parts: task, prompts, policies (records with tokenizer, mesh, jitted steps), plan."""
 
     def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None,
-                 place: bool = True, devices: Sequence | None = None, abstract: bool = False):
+                 devices: Sequence | None = None, abstract: bool = False):
         """Builds tokenizers and models (their built weights are what ``initial_state`` starts from); no warm
-        start, no optimizer state. ``place``: plan the devices (MWRA, ``cfg.mwra``; ``devices`` defaults to
-        ``jax.devices()``) and pin each policy's steps to its mesh; False = everything on the default device.
+        start, no optimizer state. The devices planned (MWRA, ``cfg.mwra``; ``devices`` defaults to
+        ``jax.devices()``) and each policy's steps pinned to its mesh.
         ``abstract``: models as shapes only (checkpoints' ``config.json`` read, no weights), for compiling the
         steps (``devices`` may then be a TPU topology's, `mrl_jax.trainer.tpu_plan`); no state can be made."""
         self.cfg = cfg
@@ -104,13 +104,11 @@ class Run:
         self._text_bytes = text_budget(cfg.see.max_text_bytes, self.policies)
         self._abstract = [jax.eval_shape(lambda p, pol=pol: pol.init_state(p, p if holds_reference(pol.spec) else None),
                                          params) for pol, params in zip(self.policies, self._weights)]
-        self.placement: Placement | None = None
         self.memory = None   # the compiled memory plan (trainer.memory.plan_memory), set by `train`
-        if place:
-            self.placement = make_placement(cfg, [param_count(s) for s in self._abstract], self._mean_prompt_tokens(),
-                                            devices)
-            self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]))
-                             for i, p in enumerate(self.policies)]
+        self.placement: Placement = make_placement(cfg, [param_count(s) for s in self._abstract],
+                                                   self._mean_prompt_tokens(), devices)
+        self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]))
+                         for i, p in enumerate(self.policies)]
 
     @property
     def prompt_limits(self) -> list[int]:
@@ -144,13 +142,8 @@ class Run:
     def state_template(self) -> RunState:
         """``initial_state()``'s shapes, dtypes and (placed) shardings, nothing computed: what a checkpoint is
         restored onto."""
-        pols = []
-        for i, st in enumerate(self._abstract):
-            if self.placement is None:
-                pols.append(_shapes(st))
-            else:
-                pols.append(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st,
-                                         self.placement.shardings(i, st)))
+        pols = [jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st,
+                             self.placement.shardings(i, st)) for i, st in enumerate(self._abstract)]
         return RunState(policies=tuple(pols), see=_shapes(jax.eval_shape(self._init_see)))
 
     def _init_see(self) -> see_lib.SEE:
@@ -160,8 +153,6 @@ class Run:
 
     def place(self, state: RunState) -> RunState:
         """``state`` (e.g. restored from a checkpoint, host arrays) with every policy's arrays on its mesh."""
-        if self.placement is None:
-            return state
         return state.replace(policies=tuple(self.placement.place(i, s) for i, s in enumerate(state.policies)))
 
     def sft_draw(self, part: str | None):
