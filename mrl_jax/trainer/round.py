@@ -34,9 +34,10 @@ from flax import struct
 from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
+from mrl_jax.rollout import Rollout
 from mrl_jax.rollout_slots import drive, slot_rollout
 from mrl_jax.rows import Rows, own_rows
-from mrl_jax.tasks import gate_success
+from mrl_jax.tasks import ScoreResult, gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
 from mrl_jax.trainer.placement import fetch, pad_prompts
 from mrl_jax.trainer.policy import Policy, PolicyState
@@ -101,10 +102,10 @@ class Sampled:
 
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
-    rollout: Any
-    texts: list
-    content: list
-    score: Any
+    rollout: Rollout
+    texts: list[str]
+    content: list[np.ndarray]
+    score: ScoreResult
 
 
 def _aligner(consumer: Policy, policies: Sequence[Policy], max_chunks: int, thl_metrics: list, timer: PhaseTimer):
