@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -146,14 +147,40 @@ def _demo(args) -> dict:
 def _train(args) -> dict:
     from mrl_jax.trainer import train_from_yaml
 
+    if args.topology:
+        show_plan_progress()
     return train_from_yaml(args.config, args.out, resume=args.resume, coordinator=args.coordinator,
                            num_processes=args.num_processes, process_id=args.process_id, topology=args.topology)
+
+
+def show_plan_progress(stream=None) -> None:
+    """The memory plan's compile lines (logger ``mrl_jax.plan``) on ``stream`` (default stderr) as
+    ``mrl plan: [m:ss] <line>``: a real-shape plan compiles for minutes, and says what it compiles."""
+    import logging
+
+    t0 = time.monotonic()
+
+    class Elapsed(logging.Formatter):
+        def format(self, record):
+            s = int(time.monotonic() - t0)
+            return f"mrl plan: [{s // 60}:{s % 60:02d}] {record.getMessage()}"
+
+    logger = logging.getLogger("mrl_jax.plan")
+    if any(getattr(h, "mrl_plan", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(Elapsed())
+    handler.mrl_plan = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _plan(args) -> int:
     from mrl_jax.trainer.config import load_run_config
     from mrl_jax.trainer.tpu_plan import plan_for_topology
 
+    show_plan_progress()
     report = plan_for_topology(load_run_config(args.config), args.topology)
     print(report)
     if args.out is not None:

@@ -2,6 +2,7 @@
 compiled memory analysis of each policy's steps, a stop before any RL work with the computed fixes."""
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -27,6 +28,46 @@ def one_policy(**overrides):
     cfg["policies"] = cfg["policies"][:1]
     cfg["policies"][0]["probes"] = "none"
     return cfg
+
+
+class _PlanLines(logging.Handler):
+    """The memory plan's compile lines (logger ``mrl_jax.plan``) while in a ``with`` block."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.got: list[str] = []
+
+    def emit(self, record):
+        self.got.append(record.getMessage())
+
+    def __enter__(self):
+        self.logger = logging.getLogger("mrl_jax.plan")
+        self.level = self.logger.level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def test_plan_progress_lines_on_the_cli_stream():
+    import io
+
+    from mrl_jax.cli import show_plan_progress
+
+    logger = logging.getLogger("mrl_jax.plan")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        logger.handlers = []
+        out = io.StringIO()
+        show_plan_progress(out)
+        show_plan_progress(out)   # once per process
+        logger.info("%s: compiling the update", "a")
+        assert out.getvalue() == "mrl plan: [0:00] a: compiling the update\n"
+    finally:
+        logger.handlers, logger.level, logger.propagate = before
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +106,8 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
     limit_gb = limit / GIB
     from mrl_jax.trainer.loop import train
 
-    with pytest.raises(ConfigError) as e:   # stops at start: nothing is written past the plan
+    lines = _PlanLines()
+    with lines, pytest.raises(ConfigError) as e:   # stops at start: nothing is written past the plan
         train(support.to_run_config(one_policy(mwra={"memory_gb": limit_gb})), tmp_path / "run", progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "'policies.llama_bpe'" in msg and "lora.rank: 16" in msg, msg
@@ -74,6 +116,11 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
     assert G <= m < rows and m in memory.micro_batch_candidates(rows, G)
     n = int(re.search(r"(\d+) device\(s\) for it", msg).group(1))
     assert n >= 1
+    # each compile announced before it runs (a real-shape plan compiles for minutes)
+    assert lines.got[0] == f"llama_bpe: compiling the sampler at S = {rows} slots"
+    assert "llama_bpe: compiling the update (every row in one micro-batch)" in lines.got
+    assert f"llama_bpe: fix search: compiling the update at micro_batch_size {m}" in lines.got
+    assert lines.got[-1] == "llama_bpe: fix search: compiling the update with lora.rank 16"
     # the fix, applied, passes the same check
     rerun = Run(support.to_run_config(one_policy(mwra={"memory_gb": limit_gb},
                                               **{"policies.0.optimizer": {"learning_rate": 1e-3,

@@ -17,6 +17,7 @@ from further compiles: the largest ``optimizer.micro_batch_size`` that fits (bis
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Optional, Sequence
 
@@ -38,6 +39,9 @@ from mrl_jax.trainer.encoding import PROMPT_BUCKETS
 from mrl_jax.trainer.placement import device_memory_bytes, on_mesh, pad_rows, pin_update
 from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
 from mrl_jax.trainer.policy import add_lora, update_factory
+
+# one INFO line before each compile (a real-shape plan compiles for minutes): `mrl plan` shows them on stderr
+log = logging.getLogger("mrl_jax.plan")
 
 LORA_RANK = 16   # the rank the LoRA fix is computed at
 
@@ -142,6 +146,7 @@ def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
 
     def fig(s):
         if s not in at:
+            log.info("%s: compiling the sampler at S = %d slots", pol.name, s)
             at[s] = _slot_memory(pol, mesh, params, P, Tp, s)
         return at[s]
 
@@ -208,6 +213,7 @@ def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
         t0 = time.perf_counter()
         sampler, slots = _sampler(run, pol, mesh, state.params, Tp, limit - tree_bytes(state))
         t1 = time.perf_counter()
+        log.info("%s: compiling the update (%s)", pol.name, _micro_batch_text(pol.spec.optimizer.micro_batch_size))
         f = _figure(pol, state, pol.update, inputs, sampler)
         if f is None:
             return None
@@ -219,6 +225,10 @@ def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
     lines = tuple(fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
     return MemoryPlan(figures=tuple(figures), limit=limit, source=source, misfits=lines,
                       compile_seconds=tuple(seconds))
+
+
+def _micro_batch_text(m: int) -> str:
+    return f"micro_batch_size {m}" if m else "every row in one micro-batch"
 
 
 def micro_batch_candidates(rows: int, G: int) -> list[int]:
@@ -239,6 +249,7 @@ def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, s
 
     def at(m: int) -> Optional[PolicyMemory]:
         if m not in seen:
+            log.info("%s: fix search: compiling the update at micro_batch_size %d", pol.name, m)
             try:
                 seen[m] = _figure(pol, state, pin_update(pol.update_for(m), mesh, state_shardings(state)), inputs,
                                   sampler)
@@ -279,10 +290,12 @@ def _model_fixes(run, i: int, limit: int, mesh, inputs, sampler, mb: int) -> lis
     if config is None:
         return out
     if spec.model.remat != "full":
+        log.info("%s: fix search: compiling the update with model.remat full", pol.name)
         f = _rebuilt(run, i, dataclasses.replace(config, remat="full"), bool(spec.lora.rank), mesh, inputs, sampler,
                      mb)
         out.append(f"model.remat: full {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
     if not spec.lora.rank:
+        log.info("%s: fix search: compiling the update with lora.rank %d", pol.name, LORA_RANK)
         f = _rebuilt(run, i, config, True, mesh, inputs, sampler, mb)
         out.append(f"lora.rank: {LORA_RANK} {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
     return out
