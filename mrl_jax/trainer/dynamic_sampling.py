@@ -217,19 +217,9 @@ class Oversampler:
         return out, inputs
 
 
-def oversampler(run, round_index: int, inputs) -> Oversampler | None:
-    """The ``Oversampler`` of round ``round_index`` of ``run`` (None when dynamic sampling is off). Extra batch
-    k draws its prompts from ``default_rng([seed, round, k])`` and samples with ``fold_in(inputs.key, k)``."""
-    spec = run.cfg.dynamic_sampling
+def oversampler(spec, draw_inputs, round_index: int) -> Oversampler | None:
+    """The ``Oversampler`` of round ``round_index`` (None when dynamic sampling, ``spec``, is off); extra batch k is
+    ``draw_inputs(round_index, k)`` (`trainer.run.Run.draw_inputs`: its own prompts and key)."""
     if not spec.enable:
         return None
-
-    def draw(k: int):
-        prompts, rejected = run._sample_prompts(np.random.default_rng([run.cfg.seed, round_index, k]))
-        counts = {"data/prompts_rejected": float(rejected),
-                  "data/prompts_truncated": float(sum(p.id in run.replacement for p in prompts))}
-        prompts = tuple(run.replacement.get(p.id, p) for p in prompts)
-        return dataclasses.replace(inputs, prompts=prompts, counts=counts, key=jax.random.fold_in(inputs.key, k),
-                                   dense_ids=np.asarray([run.dense[p.id] for p in prompts], np.int32))
-
-    return Oversampler(spec.max_num_gen_batches, draw)
+    return Oversampler(spec.max_num_gen_batches, lambda k: draw_inputs(round_index, k))

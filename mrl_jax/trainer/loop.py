@@ -29,7 +29,6 @@ from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
                                    log_hook, reward_failure_hook)
 from mrl_jax.trainer.metrics import RunLog
-from mrl_jax.trainer.memory import plan_memory, prompt_width
 from mrl_jax.trainer.placement import fetch, placement_summary
 from mrl_jax.trainer.policy import Policy, param_count
 from mrl_jax.trainer.round import RunState, run_round
@@ -327,12 +326,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         if cfg.mwra.topology:
             _check_topology(cfg, out, progress)
         run = Run(cfg, task=task)
-        run.memory = plan_memory(run)   # compiled before any RL work; ConfigError when it does not fit
-        slots = [f.slots for f in run.memory.figures] if run.memory is not None else [p.slots for p in run.policies]
-        # the sampler as the plan compiled it: its slots (sampling.slots, or what fits) and a slot width of the widest
-        # train prompt (every round's decode program the same)
-        run.policies = [dataclasses.replace(p, slots=s, slot_width=prompt_width(run, p))
-                        for p, s in zip(run.policies, slots)]
+        run.plan_memory()   # compiled before any RL work; ConfigError when it does not fit
         state, start = _start(run, ckpt, out, latest)
     except BaseException:
         ckpt.close()

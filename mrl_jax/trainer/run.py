@@ -21,6 +21,7 @@ from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
+from mrl_jax.trainer.memory import plan_memory, prompt_width
 from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
 from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
 from mrl_jax.trainer.reference import holds_reference, initial_reference
@@ -109,6 +110,17 @@ class Run:
                                                    self._mean_prompt_tokens(), devices)
         self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]))
                          for i, p in enumerate(self.policies)]
+
+    def plan_memory(self):
+        """The compiled memory plan (`trainer.memory.plan_memory`, kept as ``memory``; None where no device limit
+        is known; ``ConfigError`` when the run does not fit), then each policy's sampler as the plan compiled it:
+        its slots (``sampling.slots``, or the most that fit) and a slot width of the widest train prompt (every
+        round's decode program the same)."""
+        self.memory = plan_memory(self)
+        slots = [f.slots for f in self.memory.figures] if self.memory is not None else [p.slots for p in self.policies]
+        self.policies = [dataclasses.replace(p, slots=s, slot_width=prompt_width(self, p))
+                         for p, s in zip(self.policies, slots)]
+        return self.memory
 
     @property
     def prompt_limits(self) -> list[int]:
@@ -245,17 +257,25 @@ class Run:
                               "raise policies[*].max_prompt_length or set overlong_prompts: truncate.")
         return kept[:P], rejected
 
-    def round_inputs(self, round_index: int) -> RoundInputs:
-        """Round ``r``'s prompts (a function of (task seed, run seed, r) only), dense SEE ids, key and the
-        prompt-length counts."""
-        prompts, rejected = self._sample_prompts(np.random.default_rng([self.cfg.seed, round_index]))
+    def draw_inputs(self, round_index: int, batch: int = 0) -> RoundInputs:
+        """The prompt source: batch ``batch`` of round ``r`` (a function of (task seed, run seed, r, batch)
+        only): prompts, dense SEE ids, key and the prompt-length counts. Batch 0 is the round's; batch k > 0 is
+        dynamic sampling's extra batch k (its prompts from ``default_rng([seed, r, k])``, its key
+        ``fold_in(round key, k)``)."""
+        seeds = [self.cfg.seed, round_index] + ([batch] if batch else [])
+        prompts, rejected = self._sample_prompts(np.random.default_rng(seeds))
         counts = {"data/prompts_rejected": float(rejected),
                   "data/prompts_truncated": float(sum(p.id in self.replacement for p in prompts))}
         prompts = [self.replacement.get(p.id, p) for p in prompts]
-        inputs = RoundInputs(index=round_index, prompts=tuple(prompts),
-                             dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
-                             key=jax.random.fold_in(jax.random.key(self.cfg.seed), round_index), counts=counts)
-        return dataclasses.replace(inputs, oversampler=oversampler(self, round_index, inputs))
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), round_index)
+        return RoundInputs(index=round_index, prompts=tuple(prompts),
+                           dense_ids=np.asarray([self.dense[p.id] for p in prompts], np.int32),
+                           key=jax.random.fold_in(key, batch) if batch else key, counts=counts)
+
+    def round_inputs(self, round_index: int) -> RoundInputs:
+        """Round ``r``'s inputs (`draw_inputs` batch 0) with its dynamic-sampling oversampler."""
+        return dataclasses.replace(self.draw_inputs(round_index),
+                                   oversampler=oversampler(self.cfg.dynamic_sampling, self.draw_inputs, round_index))
 
     def evaluate(self, state: RunState, num_prompts: int | None = None, *, samples: int | None = None,
                  temperature: float | None = None) -> dict:
