@@ -235,9 +235,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="a,b,c,d")
     ap.add_argument("--work", type=Path, default=Path("runs/tpu_shapes"), help="shape-only model dirs go here")
     args = ap.parse_args(argv)
+    from mrl_jax.cli import show_plan_progress
     from mrl_jax.mwra.tpu import quiet_default_backend
 
     quiet_default_backend()
+    show_plan_progress()   # each compile on stderr as it starts: the cases take tens of minutes
     args.work.mkdir(parents=True, exist_ok=True)
     failed = 0
     for c in args.cases.split(","):
