@@ -68,8 +68,8 @@ class CheckpointHook:
 
 
 class LastInputs:
-    """Wraps each policy's jitted ``update`` to keep a reference to the last (batch, see_view) it got, so a
-    batch that made the update non-finite can be saved for inspection (no copy, no device sync)."""
+    """Wraps each policy's jitted ``update`` to keep a reference to the last (rows, see_view) it got, so rows
+    that made the update non-finite can be saved for inspection (no copy, no device sync)."""
 
     def __init__(self):
         self.inputs: dict[str, tuple] = {}
@@ -84,7 +84,8 @@ class LastInputs:
         return dataclasses.replace(policy, update=recorded)
 
     def save(self, name: str, path: Path, prompts: Sequence[Prompt], round_index: int) -> Path | None:
-        """Write the last batch and SEE view of ``name`` as ``path`` (.npz); arrays named by their field path."""
+        """Write the last rows and SEE view of ``name`` as ``path`` (.npz); arrays named by their field path
+        (``batch.<field>``, ``view.<field>``: the file's format, kept)."""
         if name not in self.inputs:
             return None
         arrays = {"round": np.asarray(round_index), "prompts": np.asarray([p.text for p in prompts]),

@@ -10,8 +10,9 @@ its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FS
 replicated below ``mwra.min_size`` elements). The sampler is the slot sampler on the mesh (`mesh_generate`;
 the round drives it itself); `pin_policy` gives the policy its mesh-pinned steps:
 
-* ``update(params, opt_state, batch, view, key)``: the policy's update with params / opt state kept as
-  placed (``out_shardings``) and donated; the batch and view are put on the mesh explicitly by the round
+* ``update(params, opt_state, ref_params, rows, view, key, step)``: the policy's round update (its mu updates
+  and reference syncs, `mrl_jax.learner.iterate`) with the state kept as placed (``out_shardings``), params and
+  opt state donated; the rows and view are put on the mesh explicitly by the round
   (rows sharded where they divide the data axis, replicated otherwise -- own GRPO rows cannot be padded
   without changing the group statistics, see the module doc of `mrl_jax.trainer.round`).
 
