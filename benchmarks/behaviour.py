@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))   # support: the run comparisons
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compare reads checkpoints: no TPU backend probed where libtpu is installed
 RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "groups.jsonl")
 SKIPPED_CONFIGS = ("real_checkpoints.yaml",)
 TIME_KEYS = ("time", "wall", "_s", "per_s", "seconds", "timestamp", "compile")
