@@ -31,7 +31,7 @@ from mrl_jax.models.config import ModelConfig
 from mrl_jax.models.factory import abstract_model
 from mrl_jax.mwra import sharding
 from mrl_jax.mwra.memory_plan import step_memory, tree_bytes
-from mrl_jax.trainer.memory import abstract_batch, placed
+from mrl_jax.trainer.memory import abstract_rows, placed
 
 SHAPES = {
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
@@ -63,7 +63,7 @@ def update_memory(config: ModelConfig, P: int, G: int, Tp: int, Tc: int, micro_b
     opt_state = jax.eval_shape(opt.init, params)
     cfg = learner.GRPOConfig(num_generations=G, max_completion_length=Tc, beta=0.0)
     update = learner.make_update_step(graphdef, opt, probe, cfg, micro_batch_size, donate=True)
-    batch = abstract_batch(P, G, Tp, Tc)
+    batch = abstract_rows(P, G, Tp, Tc)
     view = jax.eval_shape(lambda: see.empty_view(P, slots, Tc, Tc, 2))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     if fsdp > 1:

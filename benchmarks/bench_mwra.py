@@ -55,7 +55,7 @@ def _policy(mesh, family: str, dim: int, vocab: int, rows: int, length: int, see
     o_sh = mwra.opt_state_shardings(opt_state, p_sh, mesh)
     opt_state = mwra.put(opt_state, o_sh)
     batch = np.random.default_rng(seed).integers(0, vocab, size=(rows, length), dtype=np.int32)
-    b_sh = mwra.batch_sharding(mesh)
+    b_sh = mwra.row_sharding(mesh)
     jitted = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh),
                      out_shardings=(p_sh, o_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0, 1))
     return {"step": jitted, "state": [params, opt_state], "batch": mwra.put(batch, b_sh),

@@ -159,7 +159,7 @@ def _update_memory(config, P: int, G: int, Tp: int, Tc: int, mesh) -> dict:
     from mrl_jax.models.factory import abstract_model
     from mrl_jax.mwra import sharding
     from mrl_jax.mwra.memory_plan import step_memory, tree_bytes
-    from mrl_jax.trainer.memory import abstract_batch, placed
+    from mrl_jax.trainer.memory import abstract_rows, placed
     from mrl_jax.trainer.placement import on_mesh
 
     graphdef, params = nnx.split(abstract_model(config))
@@ -173,7 +173,7 @@ def _update_memory(config, P: int, G: int, Tp: int, Tc: int, mesh) -> dict:
     params, opt_state = put(params, ps), put(opt_state, sharding.opt_state_shardings(opt_state, ps, mesh))
     view = jax.eval_shape(lambda: see.empty_view(P, 1, Tc, Tc, 2))
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    args = (params, opt_state, placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), placed(key, mesh))
+    args = (params, opt_state, placed(abstract_rows(P, G, Tp, Tc), mesh), placed(view, mesh), placed(key, mesh))
     mem = step_memory(jax.jit(on_mesh(mesh, update), donate_argnums=(0, 1)), *args)
     return dict(temp=mem.temp, total=mem.peak, state=tree_bytes(params) + tree_bytes(opt_state), kernels=mem.kernels)
 

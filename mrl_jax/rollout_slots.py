@@ -289,7 +289,7 @@ def _placement(mesh, rows: int, slots: int | None):
     from mrl_jax import mwra
 
     repl = NamedSharding(mesh, PartitionSpec())
-    return slot_count(rows, slots, int(mesh.devices.size)), mwra.batch_sharding(mesh), lambda x: mwra.put(x, repl)
+    return slot_count(rows, slots, int(mesh.devices.size)), mwra.row_sharding(mesh), lambda x: mwra.put(x, repl)
 
 
 _PROGRAMS: dict = {}

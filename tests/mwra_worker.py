@@ -95,7 +95,7 @@ def setup_policy(mesh, *, dim=32, layers=2, seed=0, min_size=0, family="llama"):
     o_sh = mwra.opt_state_shardings(opt_state, p_sh, mesh)
     opt_state = mwra.put(opt_state, o_sh)
     batch = make_batch(seed=seed)
-    b_sh = mwra.batch_shardings(batch, mesh)
+    b_sh = mwra.row_shardings(batch, mesh)
     step = jax.jit(make_step(graphdef, opt), in_shardings=(p_sh, o_sh, b_sh),
                    out_shardings=(p_sh, o_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0, 1))
     return dict(params=params, opt_state=opt_state, batch=mwra.put(batch, b_sh), step=step, kind=kind,

@@ -119,7 +119,7 @@ def main(root: Path) -> dict:
             ids = np.zeros((4, 3), np.int32)
             start, _, _ = rollout_slots._programs(pol.graphdef, pol.sampling, pol.num_generations,
                                                   4 * pol.num_generations, 3, rollout_slots.CHUNK, 8,
-                                                  mwra.batch_sharding(pol.mesh))   # the sampler's pinned prefill
+                                                  mwra.row_sharding(pol.mesh))   # the sampler's pinned prefill
             start(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
         res["guard_catches_implicit"] = False
     except Exception as e:  # noqa: BLE001

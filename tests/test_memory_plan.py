@@ -80,11 +80,11 @@ def test_plan_figures_are_the_compiled_update_on_real_arrays(planned):
     run, plan = planned
     pol, f = run.policies[0], plan.figures[0]
     state = run.initial_state().policies[0]
-    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.completion_length
+    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.max_completion_length
     Tp = memory.prompt_width(run, pol)
-    shapes = memory.abstract_batch(P, G, Tp, Tc)
+    shapes = memory.abstract_rows(P, G, Tp, Tc)
     mesh = run.placement.meshes[0]
-    batch = mwra.shard_batch(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), mesh, strict=False)
+    batch = mwra.shard_rows(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), mesh, strict=False)
     view = mwra.to_mesh(memory.see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, 1), mesh)
     key = jax.random.key(0)
     mem = pol.update.lower(state.params, state.opt_state, state.ref_params, batch, view, key,

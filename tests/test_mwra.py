@@ -214,11 +214,11 @@ def test_param_and_opt_state_shardings_mirror():
 
 def test_batch_sharding_and_errors():
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    assert mwra.batch_sharding(mesh).spec == P("data")
-    b = mwra.shard_batch({"ids": np.zeros((4, 3), np.int32), "n": np.float32(1.0)}, mesh)
+    assert mwra.row_sharding(mesh).spec == P("data")
+    b = mwra.shard_rows({"ids": np.zeros((4, 3), np.int32), "n": np.float32(1.0)}, mesh)
     assert b["ids"].sharding.spec == P("data") and b["n"].sharding.spec == P()
-    with pytest.raises(ValueError, match="pad the batch to a multiple of 8"):
-        mwra.batch_shardings({"ids": np.zeros((12, 3))}, FakeMeshAsMesh())
+    with pytest.raises(ValueError, match="pad the rows to a multiple of 8"):
+        mwra.row_shardings({"ids": np.zeros((12, 3))}, FakeMeshAsMesh())
 
 
 class FakeMeshAsMesh(FakeMesh):

@@ -66,7 +66,7 @@ def test_cut_text_is_truncated_never_a_success_and_counted():
     sel = S.select_peers(buf, consumer=0, prompt_index=[0], k_rollouts=2)
     toks = [[ord(c) for c in t] for t in sel.texts]
     view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [0]),
-                       max_completion_len=8, max_chunks=8, eos_id=99)
+                       max_completion_length=8, max_chunks=8, eos_id=99)
     cut_slot = sel.texts.index("the ")
     assert bool(view.truncated[cut_slot]) and 99 not in list(np.asarray(view.completion_ids[cut_slot]))   # no EOS
 
@@ -112,7 +112,7 @@ def test_latest_round_stats_and_view():
     assert list(kinds[0]) == [S.PEER, S.PEER, S.ARCHIVE] and list(kinds[1]) == [S.PEER, S.EMPTY, S.EMPTY]
     toks = [[ord(c) for c in t] for t in sel.texts]
     view = S.make_view(sel, S.ViewAlignment.identity(toks), consumer=0, stats=S.peer_stats(buf, 0, [2, 3]),
-                       max_completion_len=4, max_chunks=4, eos_id=99)
+                       max_completion_length=4, max_chunks=4, eos_id=99)
     assert view.completion_ids.shape == (6, 4) and view.peer_stats.shape == (2, 3, 4)
     assert float(view.peer_stats[:, 0].sum()) == 0.0                     # consumer column zeroed
     s_old = 2
@@ -217,7 +217,7 @@ def test_make_view_equals_the_slot_by_slot_build(rows, Tc, C, eos_id, seed):
                           filled=filled, texts=[""] * M, src_ids=[np.zeros(0, np.int32)] * M,
                           src_logp=[rng.normal(-1, 0.5, k + int(rng.integers(0, 3))).astype(np.float32)
                                     for _, k, _ in rows])
-    view = S.make_view(sel, aligned, consumer=0, stats=np.zeros((1, 2, 4)), max_completion_len=Tc, max_chunks=C,
+    view = S.make_view(sel, aligned, consumer=0, stats=np.zeros((1, 2, 4)), max_completion_length=Tc, max_chunks=C,
                        pad_id=3, eos_id=eos_id)
     for k, v in _view_by_rows(sel, aligned, Tc, C, 3, eos_id).items():
         np.testing.assert_array_equal(np.asarray(getattr(view, k)), v, err_msg=k)

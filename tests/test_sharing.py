@@ -150,7 +150,7 @@ def test_probe_options_agreeing_with_the_run_are_accepted():
 
 def test_text_budget_fits_the_longest_tokens():
     run, start = _run()
-    need = max(int(p.tokenizer.byte_table.lengths.max()) * p.completion_length for p in run.policies)
+    need = max(int(p.tokenizer.byte_table.lengths.max()) * p.max_completion_length for p in run.policies)
     assert start.see.rollouts.text.shape[1] == need == text_budget(0, run.policies)
     with pytest.raises(ConfigError, match=r"see\.max_text_bytes.*>= %d" % need):
         text_budget(need - 1, run.policies)

@@ -125,7 +125,7 @@ def _view_buffer():
 
 def test_build_view_takes_a_typed_alignment_and_rejects_a_dict():
     buf = _view_buffer()
-    kw = dict(k_rollouts=2, max_completion_len=6, max_chunks=6)
+    kw = dict(k_rollouts=2, max_completion_length=6, max_chunks=6)
     with pytest.raises(TypeError, match="see.ViewAlignment"):
         S.build_view(buf, 0, [0], lambda texts, srcs, ids: {"dst_ids": [list(i) for i in ids]}, **kw)
     with pytest.raises(ValueError, match="1 rows for 2 filled slots"):

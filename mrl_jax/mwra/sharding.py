@@ -155,14 +155,14 @@ def opt_state_shardings(opt_state, params_shardings, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def batch_sharding(mesh: Mesh, axes: Sequence[str] | None = None) -> NamedSharding:
+def row_sharding(mesh: Mesh, axes: Sequence[str] | None = None) -> NamedSharding:
     """Rows (dim 0) split over the data axes; the other dims unsharded."""
     axes = data_axes(mesh, axes)
     return NamedSharding(mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
 
 
-def batch_shardings(batch, mesh: Mesh, axes: Sequence[str] | None = None, *, strict: bool = True):
-    """Per-leaf shardings for a batch pytree: row-sharded leaves, scalars replicated.
+def row_shardings(tree, mesh: Mesh, axes: Sequence[str] | None = None, *, strict: bool = True):
+    """Per-leaf shardings for a pytree of rows (dim 0): row-sharded leaves, scalars replicated.
 
     ``strict``: a leaf whose row count does not divide by the mesh size raises (pad rows to a multiple);
     otherwise it is replicated.
@@ -176,19 +176,19 @@ def batch_shardings(batch, mesh: Mesh, axes: Sequence[str] | None = None, *, str
             return NamedSharding(mesh, REPLICATED)
         if shape[0] % n:
             if strict:
-                raise ValueError(f"batch leaf '{path_str(path)}' has {shape[0]} rows, not divisible by the "
-                                 f"mesh's {n} devices: pad the batch to a multiple of {n} rows (masked)")
+                raise ValueError(f"leaf '{path_str(path)}' has {shape[0]} rows, not divisible by the "
+                                 f"mesh's {n} devices: pad the rows to a multiple of {n} (masked)")
             return NamedSharding(mesh, REPLICATED)
         nonlocal bs
-        bs = bs or batch_sharding(mesh, axes)
+        bs = bs or row_sharding(mesh, axes)
         return bs
 
-    return jax.tree_util.tree_map_with_path(one, batch)
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def shard_batch(batch, mesh: Mesh, axes: Sequence[str] | None = None, *, strict: bool = True):
-    """Place a batch (host numpy or arrays on any mesh) on ``mesh`` with rows split over the data axes."""
-    return put(batch, batch_shardings(batch, mesh, axes, strict=strict))
+def shard_rows(tree, mesh: Mesh, axes: Sequence[str] | None = None, *, strict: bool = True):
+    """Place a pytree of rows (host numpy or arrays on any mesh) on ``mesh``, rows split over the data axes."""
+    return put(tree, row_shardings(tree, mesh, axes, strict=strict))
 
 
 def to_mesh(tree, mesh: Mesh, *, via_host: bool = False):
@@ -199,7 +199,7 @@ def to_mesh(tree, mesh: Mesh, *, via_host: bool = False):
     """
     if via_host:
         tree = jax.tree.map(np.asarray, jax.device_get(tree))
-    return put(tree, batch_shardings(tree, mesh, strict=False))
+    return put(tree, row_shardings(tree, mesh, strict=False))
 
 
 def devices_of(tree) -> set[int]:

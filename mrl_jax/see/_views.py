@@ -191,12 +191,12 @@ class ViewAlignment:
         return cls(dst_ids=ids, dst_chunk=ch, src_chunk=ch.copy(), chunk_valid=keep, dst_lengths=n.astype(np.int32))
 
 
-def make_view(sel: PeerSelection, aligned: ViewAlignment, *, consumer: int, stats: np.ndarray, max_completion_len: int,
+def make_view(sel: PeerSelection, aligned: ViewAlignment, *, consumer: int, stats: np.ndarray, max_completion_length: int,
               max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host: build the consumer's ``SeeView`` from a ``PeerSelection`` and the THL arrays of its filled
     slots (``aligned``, one row per ``sel.filled`` entry).
     eos_id: appended after a non-truncated completion (no chunk: trained by SGT, masked from PRP).
-    Retokenizations longer than max_completion_len are cut and flagged truncated; chunks >= max_chunks
+    Retokenizations longer than max_completion_length are cut and flagged truncated; chunks >= max_chunks
     are dropped (their tokens get dst_chunk -1)."""
     if not isinstance(aligned, ViewAlignment):
         raise TypeError(f"see.make_view: the alignment is a {type(aligned).__name__}; pass a see.ViewAlignment "
@@ -204,7 +204,7 @@ def make_view(sel: PeerSelection, aligned: ViewAlignment, *, consumer: int, stat
     if aligned.num_rows != len(sel.filled):
         raise ValueError(f"see.make_view: the alignment has {aligned.num_rows} rows for {len(sel.filled)} filled "
                          "slots; align exactly the texts select_peers returned, in order.")
-    S, Tc, C = len(sel.row_kind), int(max_completion_len), int(max_chunks)
+    S, Tc, C = len(sel.row_kind), int(max_completion_length), int(max_chunks)
     ids = np.full((S, Tc), pad_id, np.int32)
     mask = np.zeros((S, Tc), np.float32)
     dchunk = np.full((S, Tc), -1, np.int32)
@@ -263,7 +263,7 @@ def _chunk_logp(src_logp: Sequence[np.ndarray], src_chunk: np.ndarray, C: int) -
 
 
 def build_view(see: SEE, consumer: int, prompt_index: Sequence[int], align_batch: Callable, *,
-               k_rollouts: int = 4, k_successes: int = 0, k_own: int = 0, max_completion_len: int,
+               k_rollouts: int = 4, k_successes: int = 0, k_own: int = 0, max_completion_length: int,
                max_chunks: int, pad_id: int = 0, eos_id: Optional[int] = None) -> SeeView:
     """Host convenience: select_peers -> align_batch(texts, sources, src_ids) -> make_view.
     ``align_batch`` retokenizes each text into the consumer's vocabulary (THL) and returns a ``ViewAlignment``
@@ -273,14 +273,14 @@ def build_view(see: SEE, consumer: int, prompt_index: Sequence[int], align_batch
     srcs = [int(sel.source[s]) for s in sel.filled]
     aligned = align_batch(sel.texts, srcs, sel.src_ids) if sel.filled else ViewAlignment.identity([])
     return make_view(sel, aligned, consumer=consumer, stats=peer_stats(see, consumer, prompt_index),
-                     max_completion_len=max_completion_len, max_chunks=max_chunks, pad_id=pad_id,
+                     max_completion_length=max_completion_length, max_chunks=max_chunks, pad_id=pad_id,
                      eos_id=eos_id)
 
 
-def empty_view(num_prompts: int, slots_per_prompt: int, max_completion_len: int, max_chunks: int,
+def empty_view(num_prompts: int, slots_per_prompt: int, max_completion_length: int, max_chunks: int,
                num_policies: int, consumer: int = 0) -> SeeView:
     """A view with no peers (every slot EMPTY, zero stats): what the update gets without sharing."""
-    S, Tc, C = num_prompts * slots_per_prompt, max_completion_len, max_chunks
+    S, Tc, C = num_prompts * slots_per_prompt, max_completion_length, max_chunks
     return SeeView(completion_ids=jnp.zeros((S, Tc), jnp.int32), completion_mask=jnp.zeros((S, Tc), jnp.float32),
                    dst_chunk=jnp.full((S, Tc), -1, jnp.int32), src_chunk_logp=jnp.zeros((S, C), jnp.float32),
                    chunk_valid=jnp.zeros((S, C), bool), rewards=jnp.zeros((S,), jnp.float32),

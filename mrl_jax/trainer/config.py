@@ -299,12 +299,12 @@ class SeeSpec:
         return ViewShape(peer_rollouts=self.peer_rollouts_per_prompt, peer_successes=self.peer_successes_per_prompt,
                          own_successes=self.own_successes_per_prompt)
 
-    def build(self, text_bytes: int, completion_length: int, num_policies: int, num_prompts: int):
+    def build(self, text_bytes: int, max_completion_length: int, num_policies: int, num_prompts: int):
         """The empty exchange (`mrl_jax.see.init`): ``capacity`` records of ``text_bytes`` text and
-        ``completion_length`` tokens, for ``num_policies`` producers over ``num_prompts`` prompt ids."""
+        ``max_completion_length`` tokens, for ``num_policies`` producers over ``num_prompts`` prompt ids."""
         from mrl_jax import see
 
-        return see.init(self.capacity, text_bytes, completion_length, num_policies, num_prompts,
+        return see.init(self.capacity, text_bytes, max_completion_length, num_policies, num_prompts,
                         per_prompt_cap=self.per_prompt_cap, success_capacity=self.capacity,
                         tau=self.success_threshold)
 

@@ -46,7 +46,7 @@ log = logging.getLogger("mrl_jax.plan")
 LORA_RANK = 16   # the rank the LoRA fix is computed at
 
 
-def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> Rows:
+def abstract_rows(P: int, G: int, Tp: int, Tc: int) -> Rows:
     """The own ``Rows`` of P prompts of Tp tokens x G completions of Tc tokens, as ShapeDtypeStructs."""
     z = jnp.zeros
     n = P * G
@@ -57,7 +57,7 @@ def abstract_batch(P: int, G: int, Tp: int, Tc: int) -> Rows:
 
 def placed(tree, mesh):
     """``tree``'s ShapeDtypeStructs with the round's shardings on ``mesh`` (rows split where they divide)."""
-    sh = mwra.batch_shardings(tree, mesh, strict=False)
+    sh = mwra.row_shardings(tree, mesh, strict=False)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
 
 
@@ -99,20 +99,20 @@ def _key(mesh):
 
 
 def _update_inputs(run, pol, mesh, Tp: int):
-    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.completion_length
+    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.max_completion_length
     view = jax.eval_shape(lambda: see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, len(run.policies),
                                                      consumer=pol.index))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, mwra.REPLICATED))
-    return placed(abstract_batch(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh), step
+    return placed(abstract_rows(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh), step
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     """The slot sampler's figure at S slots: the larger-peak of its two programs (start: prefill and token 0;
     chunk: the decode steps), compiled on abstract inputs, with the Pallas kernel calls of both; None where the
     backend reports none."""
-    from mrl_jax.mwra import batch_sharding
+    from mrl_jax.mwra import row_sharding
 
-    G, cfg, rows = pol.num_generations, pol.sampling, batch_sharding(mesh)
+    G, cfg, rows = pol.num_generations, pol.sampling, row_sharding(mesh)
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     start = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._start(pol.graphdef, p, i, m, k, cfg,
@@ -331,10 +331,10 @@ def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) ->
     state = type(run.state_template().policies[i])(params=put(params, ps), opt_state=put(opt_state, os),
                                                    ref_params=ref)
     make = update_factory(model, lora, pol.optimizer, pol.probe,
-                          pol.spec.grpo.resolved(pol.num_generations, pol.completion_length,
+                          pol.spec.grpo.resolved(pol.num_generations, pol.max_completion_length,
                                                  pol.sampling.temperature), pol.spec)
     return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
 
 
-__all__ = ["LORA_RANK", "MemoryPlan", "abstract_batch", "compile_plan", "fix_line", "micro_batch_candidates", "placed",
+__all__ = ["LORA_RANK", "MemoryPlan", "abstract_rows", "compile_plan", "fix_line", "micro_batch_candidates", "placed",
            "plan_memory", "prompt_width"]

@@ -67,7 +67,7 @@ class Policy:
         return self.spec.name
 
     @property
-    def completion_length(self) -> int:
+    def max_completion_length(self) -> int:
         return self.sampling.max_new_tokens
 
     def init_state(self, params, ref_params=None) -> PolicyState:

@@ -220,11 +220,11 @@ def _views(see, policies: Sequence[Policy], dense_ids: np.ndarray, timer: PhaseT
     see = jax.device_get(see)
     views, thl_metrics = [], []
     for pol in policies:
-        vs, Tc, metrics = pol.view_shape, pol.completion_length, []
+        vs, Tc, metrics = pol.view_shape, pol.max_completion_length, []
         if pol.probe.needs_peers:
             view = see_lib.build_view(
                 see, pol.index, dense_ids, _aligner(pol, policies, Tc, metrics, timer), k_rollouts=vs.peer_rollouts,
-                k_successes=vs.peer_successes, k_own=vs.own_successes, max_completion_len=Tc, max_chunks=Tc,
+                k_successes=vs.peer_successes, k_own=vs.own_successes, max_completion_length=Tc, max_chunks=Tc,
                 pad_id=pol.sampling.pad_id, eos_id=pol.tokenizer.eos_id)
         else:
             stats = see_lib.peer_stats(see, pol.index, dense_ids)
@@ -242,7 +242,7 @@ def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> 
     rows = own_rows(np.asarray(s.prompt_ids), np.asarray(s.prompt_mask), np.asarray(out.tokens),
                     np.asarray(out.mask, np.float32), np.asarray(out.logprobs), np.zeros(out.logprobs.shape, np.float32),
                     np.asarray(s.score.rewards, np.float32), np.asarray(out.truncated), consumer=pol.index)
-    rows = mwra.shard_batch(rows, pol.mesh, strict=False)
+    rows = mwra.shard_rows(rows, pol.mesh, strict=False)
     view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
     return rows, view, _replicated(pol, keys[num_policies + pol.index])
 

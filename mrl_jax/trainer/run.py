@@ -54,7 +54,7 @@ def task_corpus(task: Task) -> list[str]:
 def text_budget(requested: int, policies: Sequence[Policy]) -> int:
     """SEE bytes per completion text: enough for ``max_new_tokens`` of the longest token of each policy's
     tokenizer (``requested`` 0 = exactly that; a smaller explicit value is a config error)."""
-    need = {p.name: (int(p.tokenizer.byte_table.lengths.max()) * p.completion_length, p.completion_length)
+    need = {p.name: (int(p.tokenizer.byte_table.lengths.max()) * p.max_completion_length, p.max_completion_length)
             for p in policies}
     worst = max(need, key=lambda n: need[n][0])
     size, tokens = need[worst]
@@ -139,7 +139,7 @@ class Run:
             if ws.steps > 0:
                 params, self.warm_start_losses[pol.name] = warm_start(pol.graphdef, params, pol.tokenizer, pol.prompt_format, self.sft_draw(ws.part),
                                        steps=ws.steps, batch_size=ws.batch_size, learning_rate=ws.learning_rate,
-                                       completion_length=pol.completion_length, seed=self.cfg.seed * 1000 + pol.index)
+                                       max_completion_length=pol.max_completion_length, seed=self.cfg.seed * 1000 + pol.index)
             out.append(params)
         return out
 
@@ -160,7 +160,7 @@ class Run:
 
     def _init_see(self) -> see_lib.SEE:
         cfg = self.cfg
-        return cfg.see.build(self._text_bytes, max(p.completion_length for p in self.policies), len(self.policies),
+        return cfg.see.build(self._text_bytes, max(p.max_completion_length for p in self.policies), len(self.policies),
                              len(self.train_prompts))
 
     def place(self, state: RunState) -> RunState:

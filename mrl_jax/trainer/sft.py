@@ -63,7 +63,7 @@ def _frozen_base(optimizer, params):
 
 
 def warm_start(graphdef, params, tokenizer: Tokenizer, template: str, draw: Draw, *, steps: int, batch_size: int,
-               learning_rate: float, completion_length: int, seed: int):
+               learning_rate: float, max_completion_length: int, seed: int):
     """Run ``steps`` SFT steps on batches ``draw(batch_size, rng)`` (seeded); returns (params, losses)."""
     optimizer = _frozen_base(optax.adamw(learning_rate), params)
     opt_state = optimizer.init(params)
@@ -75,7 +75,7 @@ def warm_start(graphdef, params, tokenizer: Tokenizer, template: str, draw: Draw
         prompts = [p for p, _ in pairs]
         answers = [a for _, a in pairs]
         p_ids, p_mask, _ = encode_prompts(tokenizer, template, prompts)
-        ids, mask, _ = encode_completions(tokenizer, answers, completion_length)
+        ids, mask, _ = encode_completions(tokenizer, answers, max_completion_length)
         params, opt_state, loss = step(params, opt_state, p_ids, p_mask, ids, mask)
         losses.append(loss)
     return params, [float(x) for x in jax.device_get(losses)]
