@@ -150,10 +150,13 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     return {"quick": quick, "contended": contended, "environment": environment(), "benchmarks": results}
 
 
-def run_probes(out_dir: str | Path, *, quick: bool = False, probes: list[str] | None = None) -> dict:
-    """``mrl bench probes``: ``benchmarks/bench_probes.py``'s comparison into ``out_dir``; returns its headline
-    (per probe: average held-out reward@1, its paired difference from ``none``, the bandit support)."""
+def run_probes(out_dir: str | Path, *, quick: bool = False, probes: list[str] | None = None,
+               tasks: list[str] | None = None, jobs: int = 1) -> dict:
+    """``mrl bench probes``: ``benchmarks/bench_probes.py``'s comparison into ``out_dir`` (``tasks``: default
+    every task); returns its headline (per task and probe: average held-out reward@1, its gain over the warm
+    start, its paired difference from ``none``, the bandit support)."""
     if not (BENCH_DIR / "bench_probes.py").is_file():
         raise FileNotFoundError(f"{BENCH_DIR / 'bench_probes.py'} not found; run `mrl bench probes` from a source "
                                 "checkout installed with `pip install -e .`.")
-    return _load("probes").run(quick=quick, probes=probes, out=str(out_dir))
+    bench = _load("probes")
+    return bench.run(quick=quick, probes=probes, out=str(out_dir), workloads=tasks or tuple(bench.WORKLOADS), jobs=jobs)

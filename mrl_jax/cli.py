@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="probes: compare probes on the same work (PROBES.md, probes.json, figures in --out)")
     bench.add_argument("--probes", default=None, help="with `probes`: comma-separated probe specs (built-ins, chains, "
                        "pkg.mod:factory[:k=v]); default: the built-ins, their chains and the worked example")
+    bench.add_argument("--tasks", default=None, help="with `probes`: comma-separated tasks, facts and/or reasoning "
+                       "(default both)")
+    bench.add_argument("--jobs", type=int, default=1, help="with `probes`: cells trained at once, one process each")
     _add_out(bench)
     bench.add_argument("--quick", action="store_true", help="small shapes, a couple of minutes on CPU")
     bench.add_argument("--only", default=None, help="comma-separated subset of benchmarks to run")
@@ -219,7 +222,8 @@ def _bench(args) -> dict:
     from mrl_jax.bench import run_benchmarks, run_probes
 
     if args.which == "probes":
-        return run_probes(args.out, quick=args.quick, probes=args.probes.split(",") if args.probes else None)
+        return run_probes(args.out, quick=args.quick, probes=args.probes.split(",") if args.probes else None,
+                          tasks=args.tasks.split(",") if args.tasks else None, jobs=args.jobs)
     only = args.only.split(",") if args.only else None
     return run_benchmarks(args.out, quick=args.quick, only=only, wait_idle_s=args.wait_idle, idle_load=args.idle_load)
 

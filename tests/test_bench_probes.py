@@ -29,34 +29,55 @@ def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, ca
     out = tmp_path / "bench"
     assert main(["bench", "probes", "--quick", "--probes", f"none,{HEDGE}", "--out", str(out)]) == 0
     res = json.loads((out / "probes.json").read_text())
-    s = res["settings"]
-    assert res["probes_run"] == ["none", HEDGE] and s["seeds"] == 1
-    names = res["policies"]
+    assert res["probes_run"] == ["none", HEDGE] and res["settings"]["seeds"] == 1
+    assert list(res["workloads"]) == ["facts", "reasoning"]
+    for task, skills, n_policies in (("facts", ["own_facts", "foreign_facts", "copy"], 2),
+                                     ("reasoning", ["copy", "rev", "sort"], 3)):
+        w = res["workloads"][task]
+        s, names = w["settings"], w["policies"]
+        assert len(names) == n_policies and w["skills"] == skills
+        for p in ("none", HEDGE):
+            e = w["probes"][p]
+            for n in names + ["average"]:    # warm start, then every round (quick: eval_every 1)
+                assert e["curves"][n]["rounds"] == list(range(s["rounds"] + 1))
+                assert len(e["curves"][n]["mean"]) == s["rounds"] + 1
+            for n in names:
+                for k in skills + ["pass@1", "kl", "grad_norm_spread", "skipped_updates", "s_per_round/update",
+                                   "rows_computed", "reward_at_1_gain"]:
+                    assert e["figures"][f"{n}/{k}"]["mean"] is not None, (task, p, n, k)
+            gain = e["figures"]["average/reward_at_1_gain"]["mean"]
+            curve = e["curves"]["average"]["mean"]
+            assert gain == pytest.approx(curve[-1] - curve[0])
+        assert "vs_none" not in w["probes"]["none"]
+        assert w["probes"][HEDGE]["vs_none"]["average/reward_at_1_final"]["n"] == 1
+        cells = sorted((out / task / "cells").glob("*/seed0"))
+        assert len(cells) == 2 and all((c / "summary.json").is_file() for c in cells)
+        for f in (f"{task}_reward_at_1.png", f"{task}_skills.png"):
+            assert (out / f).stat().st_size > 1000
+    # the reasoning curve is the sampled reward@1 (pass@1 of the K samples), not the greedy success
+    cell = out / "reasoning" / "cells" / "none" / "seed0"
+    before = json.loads((cell / "summary.json").read_text())["before"]
+    name = res["workloads"]["reasoning"]["policies"][0]
+    first = res["workloads"]["reasoning"]["per_cell"]["none"][0]["policies"][name]["reward_at_1"]["values"][0]
+    assert first == before[name]["pass@1"]
     for p in ("none", HEDGE):
-        e = res["probes"][p]
-        for n in names + ["average"]:
-            assert len(e["curves"][n]["mean"]) == s["rounds"] + 1        # warm start, then every round
-        for n in names:
-            for k in ("own_facts", "foreign_facts", "copy", "pass@1", "kl", "grad_norm_spread", "skipped_updates",
-                      "s_per_round/update", "rows_computed"):
-                assert e["figures"][f"{n}/{k}"]["mean"] is not None, (p, n, k)
         assert 0.0 <= res["bandit"][p]["support"] <= 1.0
-    assert "vs_none" not in res["probes"]["none"]
-    assert res["probes"][HEDGE]["vs_none"]["average/reward_at_1_final"]["n"] == 1
     assert res["bandit"]["none"]["support"] == 0.0 and res["bandit"]["none"]["exact"] is True
     assert res["bandit"][HEDGE]["exact"] is False
     md = (out / "PROBES.md").read_text()
-    for section in ("reward@1", "Final skills", "pass@k", "Stability", "Cost", "bandit lab"):
+    for section in ("Task `facts`", "Task `reasoning`", "reward@1", "Final skills", "pass@k", "Stability", "Cost",
+                    "bandit lab"):
         assert section in md
-    for f in ("reward_at_1.png", "skills.png", "bandit/plane.png"):
-        assert (out / f).stat().st_size > 1000
-    cells = sorted((out / "cells").glob("*/seed0"))
-    assert len(cells) == 2 and all((c / "summary.json").is_file() for c in cells)
+    assert (out / "bandit/plane.png").stat().st_size > 1000
+    cells = sorted((out / "facts" / "cells").glob("*/seed0"))
     stamps = {c: (c / "summary.json").stat().st_mtime_ns for c in cells}
+
+    # two worker processes reuse the finished cells and give the same figures
+    assert B.compare(out, ["none", HEDGE], quick=True, verbose=False, jobs=2)["workloads"] == res["workloads"]
 
     # a killed cell (no summary.json, a half-written file) is deleted and trained again from its start; a
     # finished one is skipped (the training is the trainer's, stood in for here by the first run's files)
-    killed = out / "cells" / B.slug(HEDGE) / "seed0"
+    killed = out / "facts" / "cells" / B.slug(HEDGE) / "seed0"
     saved = tmp_path / "saved"
     shutil.copytree(killed, saved)
     (killed / "summary.json").unlink()
@@ -72,12 +93,18 @@ def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, ca
     monkeypatch.setattr(mrl_jax.trainer, "train", fake_train)
     again = B.compare(out, ["none", HEDGE], quick=True, verbose=False)
     assert calls == [(HEDGE, ["cell.json"])]            # only the killed cell, in a fresh directory
-    assert (out / "cells" / "none" / "seed0" / "summary.json").stat().st_mtime_ns == stamps[out / "cells" / "none" / "seed0"]
+    none = out / "facts" / "cells" / "none" / "seed0"
+    assert (none / "summary.json").stat().st_mtime_ns == stamps[none]
     assert not (killed / "junk.tmp").exists()
-    assert again["probes"] == res["probes"]
+    assert {w: r["probes"] for w, r in again["workloads"].items()} == {w: r["probes"] for w, r in res["workloads"].items()}
     monkeypatch.undo()
 
     capsys.readouterr()
     assert main(["bench", "probes", "--quick", "--probes", "none,no_such.mod:p", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mrl bench: config error: --probes: probe 'no_such.mod:p': cannot import") and "\n" not in err
+    for flags, msg in ((["--tasks", "facts,maths"], "--tasks: unknown task 'maths'; choose from facts, reasoning"),
+                       (["--jobs", "0"], "--jobs: must be >= 1, got 0")):
+        assert main(["bench", "probes", "--quick", *flags, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"mrl bench: config error: {msg}", err
