@@ -190,17 +190,19 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     return jax.jit(update, donate_argnums=(0, 1) if donate else ())
 
 
-def iterate(update, num_iterations: int, sync=None):
+def iterate(update, num_iterations: int, sync=None, reference=None):
     """The round's ``num_iterations`` (mu) updates on the same rows as one pure function (jit it once), a function
     transformer in the way micro-batching is one:
 
-        epochs = iterate(make_update_step(..., jit=False), mu, sync)
+        epochs = iterate(make_update_step(..., jit=False), mu, sync, reference)
         params, opt_state, ref, metrics = epochs(params, opt_state, ref, rows, see_view, key, step)
 
-    Iteration ``it`` updates with ``fold_in(key, it)``; then ``ref = sync(params, ref, step + it + 1)`` when
-    ``sync`` is given (TRL's reference sync; ``step`` i32[]: updates done before this call), else ``ref`` passes
-    through (None when no reference is held). Metrics: the last iteration's, ``skipped`` summed over the
-    iterations. mu = 1 is the update itself (no loop)."""
+    ``reference(params, ref, rows) -> rows`` (beta > 0) fills the rows' ``ref_logp`` once, before the first
+    update, as TRL scores its reference once per generated batch. Iteration ``it`` updates with
+    ``fold_in(key, it)``; then ``ref = sync(params, ref, step + it + 1)`` when ``sync`` is given (TRL's reference
+    sync; ``step`` i32[]: updates done before this call), else ``ref`` passes through (None when no reference is
+    held). Metrics: the last iteration's, ``skipped`` summed over the iterations. mu = 1 is the update itself
+    (no loop)."""
     def one(params, opt_state, ref, rows, see_view, key, step, it):
         params, opt_state, metrics = update(params, opt_state, rows, see_view, jax.random.fold_in(key, it))
         if sync is not None:
@@ -208,6 +210,8 @@ def iterate(update, num_iterations: int, sync=None):
         return params, opt_state, ref, metrics
 
     def epochs(params, opt_state, ref, rows, see_view, key, step):
+        if reference is not None:
+            rows = reference(params, ref, rows)
         if num_iterations == 1:
             return one(params, opt_state, ref, rows, see_view, key, step, 0)
 

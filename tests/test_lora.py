@@ -137,7 +137,7 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     base_state = nnx.split(nnx.clone(model))
     pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
     st = pol.init_state(params)
-    assert st.ref_params is None and pol.ref_logp is None  # no copy of the base is held
+    assert st.ref_params is None  # no copy of the base is held
     params = st.params
     adapters, frozen = lora_lib.split_adapters(params)
     adapters = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)
@@ -158,6 +158,27 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     assert float(m_full["kl"]) > 1e-4
     np.testing.assert_allclose(float(m["kl"]), float(m_full["kl"]), rtol=1e-4)
     np.testing.assert_allclose(float(m["loss"]), float(m_full["loss"]), rtol=1e-4, atol=1e-6)
+
+
+def test_full_policy_update_scores_its_reference_itself():
+    """beta > 0 without LoRA: the policy's update fills the rows' ref_logp from ref_params (the round passes rows
+    without it), the same step as the learner's on rows scored by the reference outside."""
+    tok, cfg = _tiny_run({}, beta=0.5)
+    model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
+                              intermediate_size=16)
+    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    ref = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(x.size), x.shape), params)
+    st = pol.init_state(params, ref)
+    batch, view = _batch(tok.vocab_size), see.empty_view(2, 1, 3, 3, 1)
+    grpo_cfg = cfg.policies[0].grpo.resolved(2, 3, cfg.policies[0].sampling.temperature)
+    scored = batch.replace(ref_logp=make_logp_fn(pol.graphdef, grpo_cfg)(ref, batch))
+    full = make_update_step(pol.graphdef, pol.optimizer, "none", grpo_cfg, donate=False)
+    _, _, m_full = full(params, pol.optimizer.init(params), scored, view, jax.random.key(0))
+    _, _, ref_after, m = pol.update(jax.tree.map(jnp.copy, params), st.opt_state, ref, batch, view,
+                                    jax.random.key(0), 0)
+    assert float(m_full["kl"]) > 1e-4
+    np.testing.assert_allclose(float(m["kl"]), float(m_full["kl"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), float(m_full["loss"]), rtol=1e-5, atol=1e-7)
 
 
 def _update_figures(rank: int) -> tuple[int, dict]:

@@ -235,8 +235,7 @@ def pin_policy(policy, mesh: Mesh, state_shardings):
     """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
     ``PolicyState`` of shardings from `Placement.shardings`."""
     update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
-    ref_logp = None if policy.ref_logp is None else lockstep(mesh, jax.jit(on_mesh(mesh, policy.ref_logp)))
-    return dataclasses.replace(policy, mesh=mesh, update=update, ref_logp=ref_logp)
+    return dataclasses.replace(policy, mesh=mesh, update=update)
 
 
 def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:

@@ -49,10 +49,10 @@ class Policy:
     sampling: SamplingConfig
     probe: Probe
     optimizer: Any  # optax.GradientTransformation
-    # the round's mu updates, one jitted step (learner.iterate): (params, opt_state, ref_params, own Rows, SeeView,
-    # key, step i32[]) -> (params, opt_state, ref_params, metrics); step: updates done before the round
+    # the reference's log-probs (beta > 0) and the round's mu updates, one jitted step (learner.iterate): (params,
+    # opt_state, ref_params, own Rows, SeeView, key, step i32[]) -> (params, opt_state, ref_params, metrics); step:
+    # updates done before the round
     update: Callable
-    ref_logp: Optional[Callable] = None  # (ref_params, own Rows) -> f32[P*G, Tc], jitted no-grad; None when beta = 0
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
     mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
     num_generations: int = 1  # G: completions per prompt
@@ -206,16 +206,12 @@ def lora_graphdef(model):
 def _lora_update(graphdef, optimizer, probe, grpo_cfg, micro_batch_size: int) -> Callable:
     """``update(params, opt_state, rows, view, key)`` of a LoRA policy (``graphdef``: `lora_graphdef`):
     ``params`` is the full state, only its ``nnx.LoRAParam`` leaves are differentiated and held in
-    ``opt_state`` (the base goes to the learner as ``frozen``, never donated, never copied). beta > 0: the
-    rows' ``ref_logp`` is the base with the adapters zeroed. Adapter dropout is on in this graph only, with
-    fresh keys from ``key`` every call."""
+    ``opt_state`` (the base goes to the learner as ``frozen``, never donated, never copied). Adapter dropout is
+    on in this graph only, with fresh keys from ``key`` every call."""
     inner = make_update_step(graphdef, optimizer, probe, grpo_cfg, micro_batch_size)
-    ref_logp = make_logp_fn(graphdef, grpo_cfg, micro_batch_size) if grpo_cfg.beta > 0 else None
 
     def update(params, opt_state, rows, see_view, key, probe_index=0):
         adapters, frozen = lora_lib.split_adapters(params)
-        if ref_logp is not None:
-            rows = rows.replace(ref_logp=ref_logp(lora_lib.adapters_off(adapters), rows, frozen=frozen))
         keyed = lora_lib.dropout_keys(frozen, jax.random.fold_in(key, 1))
         adapters, opt_state, metrics = inner(adapters, opt_state, rows, see_view, key, probe_index, frozen=keyed)
         return nnx.merge_state(adapters, frozen), opt_state, metrics
@@ -223,16 +219,34 @@ def _lora_update(graphdef, optimizer, probe, grpo_cfg, micro_batch_size: int) ->
     return update
 
 
+def reference_scorer(graphdef, lora: bool, grpo_cfg, micro_batch_size: int) -> Optional[Callable]:
+    """``reference(params, ref_params, rows) -> rows`` with the rows' ``ref_logp`` (beta > 0; None otherwise),
+    for `mrl_jax.learner.iterate`: the frozen reference's log-probs of the own rows (``graphdef``: the policy's
+    whole graph), or, for a LoRA policy, its base with the adapters zeroed (no reference copy is held)."""
+    if grpo_cfg.beta <= 0:
+        return None
+    logp = make_logp_fn(graphdef, grpo_cfg, micro_batch_size)
+    if not lora:
+        return lambda params, ref, rows: rows.replace(ref_logp=logp(ref, rows))
+
+    def lora_reference(params, ref, rows):
+        adapters, frozen = lora_lib.split_adapters(params)
+        return rows.replace(ref_logp=logp(lora_lib.adapters_off(adapters), rows, frozen=frozen))
+
+    return lora_reference
+
+
 def update_factory(model, lora: bool, optimizer, probe, grpo_cfg, spec: PolicySpec) -> Callable[[int], Callable]:
-    """``micro_batch_size -> update`` of a policy built on ``model`` (a LoRA one when ``lora``): the round's
-    ``spec.grpo.num_iterations`` updates and reference syncs as one jitted step (`mrl_jax.learner.iterate`,
-    params and optimizer state donated); the memory plan compiles it at other micro-batch sizes. Holds the graph
-    only, never the weights."""
+    """``micro_batch_size -> update`` of a policy built on ``model`` (a LoRA one when ``lora``): the reference's
+    log-probs (beta > 0), then the round's ``spec.grpo.num_iterations`` updates and reference syncs as one jitted
+    step (`mrl_jax.learner.iterate`, params and optimizer state donated); the memory plan compiles it at other
+    micro-batch sizes. Holds the graph only, never the weights."""
     graphdef = lora_graphdef(model) if lora else nnx.graphdef(model)
     make = _lora_update if lora else make_update_step
     sync = reference_sync(spec)
-    return lambda micro_batch_size: jax.jit(iterate(make(graphdef, optimizer, probe, grpo_cfg, micro_batch_size),
-                                                    spec.grpo.num_iterations, sync), donate_argnums=(0, 1))
+    return lambda micro_batch_size: jax.jit(
+        iterate(make(graphdef, optimizer, probe, grpo_cfg, micro_batch_size), spec.grpo.num_iterations, sync,
+                reference_scorer(graphdef, lora, grpo_cfg, micro_batch_size)), donate_argnums=(0, 1))
 
 
 def prompt_limit(spec: PolicySpec, model) -> int:
@@ -279,10 +293,8 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = spec.sampling.build(tuple(stops), pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
                                    vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
-    ref_logp = make_logp_fn(graphdef, grpo_cfg, opt.micro_batch_size) if grpo_cfg.beta > 0 and not spec.lora.rank \
-        else None  # a LoRA policy's reference (adapters off) is scored inside its update
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update_for(opt.micro_batch_size), ref_logp=ref_logp,
+                    probe=probe, optimizer=optimizer, update=update_for(opt.micro_batch_size),
                     prompt_format=prompt_format, num_generations=run.num_generations,
                     view_shape=run.see.view_shape(), prompt_limit=limit, update_for=update_for,
                     slots=spec.sampling.slots)

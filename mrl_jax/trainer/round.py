@@ -254,8 +254,6 @@ def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: 
     new_states, raws, stamps = [], [], []
     for pol, ps, (rows, view, ukey) in zip(policies, states, staged):
         with guard():
-            if ps.ref_params is not None:      # beta > 0: the frozen reference's log-probs of the own rows
-                rows = rows.replace(ref_logp=pol.ref_logp(ps.ref_params, rows))
             new, raw = _update_policy(pol, ps, rows, view, ukey, round_index)
         new_states.append(new)
         raws.append(raw)
