@@ -96,6 +96,21 @@ def to_run_config(cfg: dict):
 
 
 # ----------------------------------------------------------------------------------- fault rewards
+def one_device_policy(cfg, tokenizer, model, index: int = 0):
+    """``(Policy, params)`` of ``cfg.policies[index]`` on ``model`` (its adapters added) as a Run builds it, on a
+    one-device placement (the first device)."""
+    import jax
+
+    from mrl_jax.trainer.placement import make_placement
+    from mrl_jax.trainer.policy import add_lora, build_policy
+
+    spec = cfg.policies[index]
+    n = len(cfg.policies)
+    placement = make_placement(cfg, [1] * n, [1.0] * n, jax.devices()[:1])
+    built = build_policy(index, spec, tokenizer, add_lora(spec, model, seed=cfg.seed * 1000 + index), cfg, placement)
+    return built.policy, built.params
+
+
 def _uniform(*parts: Any) -> float:
     """A stable uniform [0, 1) from its arguments (same in every process: no Python hash seed)."""
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()

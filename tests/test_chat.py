@@ -15,7 +15,8 @@ from mrl_jax.rollout import SamplingConfig, generate
 from mrl_jax.tokenization import load_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
-from mrl_jax.trainer.policy import build_policy, build_prompt_format, build_stop_ids
+from mrl_jax.trainer.policy import build_prompt_format, build_stop_ids
+from support import one_device_policy
 
 PROMPTS = ["What is 2+3?", "Reverse 'abc'.\nAnswer only."]
 
@@ -134,7 +135,7 @@ def test_sampler_stops_on_the_second_stop_id_and_decoding_strips_it(shared_token
                                 "num_generations": 2, "prompts_per_round": 2, "rounds": 1})
     stop = 32001  # the second id of the stop set
     model = _stop_model(tok.vocab_size, stop)
-    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = one_device_policy(cfg, tok, model)
     st = pol.init_state(params)
     assert pol.sampling.eos_ids == (32000, 32001, 32007) and pol.prompt_format.is_chat
     ids, mask, _ = encode_prompts(tok, pol.prompt_format, PROMPTS)

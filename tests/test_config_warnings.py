@@ -8,7 +8,7 @@ from mrl_jax import models
 from mrl_jax.configs import ConfigError, from_dict
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import RunConfig
-from mrl_jax.trainer.policy import build_policy
+from support import one_device_policy
 
 TINY = {"family": "llama", "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
 
@@ -27,7 +27,7 @@ def _policy(spec: dict, tokenizer):
     run = from_dict(RunConfig, {"policies": [spec], "num_generations": 2})
     model = models.tiny_model("llama", tokenizer.vocab_size, seed=0, hidden_size=16, num_layers=1, num_heads=2,
                               num_kv_heads=1)
-    return build_policy(0, run.policies[0], tokenizer, model, run)[0]
+    return one_device_policy(run, tokenizer, model)[0]
 
 
 def test_no_eos_and_no_stop_tokens_warns_once(capsys):

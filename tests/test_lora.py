@@ -14,7 +14,8 @@ from mrl_jax.rows import own_rows
 from mrl_jax.learner import make_logp_fn, make_optimizer, make_update_step
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.trainer.config import PolicySpec, RunConfig
-from mrl_jax.trainer.policy import add_lora, build_policy, trainable_param_count
+from mrl_jax.trainer.policy import add_lora, trainable_param_count
+from support import one_device_policy
 from mrl_jax.tokenization import train_tokenizer
 
 V = 61
@@ -135,7 +136,7 @@ def test_lora_update_trains_adapters_only_and_its_kl_reference_is_the_base():
     model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
                               intermediate_size=16)
     base_state = nnx.split(nnx.clone(model))
-    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = one_device_policy(cfg, tok, model)
     st = pol.init_state(params)
     assert st.ref_params is None  # no copy of the base is held
     params = st.params
@@ -166,7 +167,7 @@ def test_full_policy_update_scores_its_reference_itself():
     tok, cfg = _tiny_run({}, beta=0.5)
     model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
                               intermediate_size=16)
-    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = one_device_policy(cfg, tok, model)
     ref = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(x.size), x.shape), params)
     st = pol.init_state(params, ref)
     batch, view = _batch(tok.vocab_size), see.empty_view(2, 1, 3, 3, 1)
@@ -186,7 +187,7 @@ def _update_figures(rank: int) -> tuple[int, dict]:
     tok, cfg = _tiny_run({"rank": rank, "alpha": 16.0} if rank else {})
     model = models.tiny_model("llama", 512, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2,
                               intermediate_size=512)
-    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = one_device_policy(cfg, tok, model)
     st = pol.init_state(params)
     batch, view = _batch(512), see.empty_view(2, 1, 3, 3, 1)
     grpo_cfg = cfg.policies[0].grpo.resolved(2, 3, cfg.policies[0].sampling.temperature)
@@ -223,7 +224,7 @@ def test_adapter_dropout_acts_in_the_update_only(rate):
     tok, cfg = _tiny_run({"rank": 2, "alpha": 4.0, "dropout": rate})
     model = models.tiny_model("llama", tok.vocab_size, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1,
                               intermediate_size=16)
-    pol, params = build_policy(0, cfg.policies[0], tok, model, cfg)
+    pol, params = one_device_policy(cfg, tok, model)
     st = pol.init_state(params)
     adapters, frozen = lora_lib.split_adapters(st.params)
     adapters = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)

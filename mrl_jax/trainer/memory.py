@@ -251,7 +251,7 @@ def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, s
         if m not in seen:
             log.info("%s: fix search: compiling the update at micro_batch_size %d", pol.name, m)
             try:
-                seen[m] = _figure(pol, state, pin_update(pol.update_for(m), mesh, state_shardings(state)), inputs,
+                seen[m] = _figure(pol, state, pin_update(run.update_at[i](m), mesh, state_shardings(state)), inputs,
                                   sampler)
             except jax.errors.JaxRuntimeError:   # a micro-batch the compiler rejects (e.g. XLA:TPU collectives)
                 seen[m] = None

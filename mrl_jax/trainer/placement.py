@@ -8,7 +8,7 @@ against the compiled steps (`mrl_jax.trainer.memory.plan_memory`).
 `Placement.place(i, state)` puts policy i's params, optimizer state and reference params (when held) on
 its mesh with the sharding rules (``mwra.rules`` before `mwra.DEFAULT_RULES`: FSDP for large leaves,
 replicated below ``mwra.min_size`` elements). The sampler is the slot sampler on the mesh (`mesh_generate`;
-the round drives it itself); `pin_policy` gives the policy its mesh-pinned steps:
+the round drives it itself); `pin_update` gives the policy (`trainer.policy.build_policy`) its mesh-pinned step:
 
 * ``update(params, opt_state, ref_params, rows, view, key, step)``: the policy's round update (its mu updates
   and reference syncs, `mrl_jax.learner.iterate`) with the state kept as placed (``out_shardings``), params and
@@ -226,16 +226,9 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
     P = prompt_ids.shape[0]
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
     out, = drive([slot_rollout(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
-                               slots=getattr(policy, "slots", None),
-                               width=max(getattr(policy, "slot_width", 0), ids.shape[1]), mesh=mesh)])
+                               slots=policy.slots,
+                               width=max(policy.slot_width, ids.shape[1]), mesh=mesh)])
     return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
-
-
-def pin_policy(policy, mesh: Mesh, state_shardings):
-    """``policy`` with its mesh and steps jitted for it (see module doc). ``state_shardings``: a
-    ``PolicyState`` of shardings from `Placement.shardings`."""
-    update = lockstep(mesh, pin_update(policy.update, mesh, state_shardings))
-    return dataclasses.replace(policy, mesh=mesh, update=update)
 
 
 def pin_update(inner: Callable, mesh: Mesh, state_shardings) -> Callable:
@@ -255,5 +248,5 @@ def on_mesh(mesh: Mesh, fn: Callable) -> Callable:
 
 
 __all__ = ["Placement", "config_rules", "device_memory_bytes", "fetch", "lockstep", "make_placement", "mesh_generate",
-           "owners", "pad_prompts", "pad_rows", "param_devices", "pin_policy", "pin_update", "placement_summary",
+           "owners", "pad_prompts", "pad_rows", "param_devices", "pin_update", "placement_summary",
            "plan_run", "policy_cost", "run_devices"]

@@ -1,6 +1,6 @@
 """A policy of an MRL run: one record of its static parts (spec, tokenizer, prompt format, sampler, mesh,
-jitted update / reference steps, SEE view layout) and its state (params, optimizer state, reference),
-built from a ``PolicySpec``.
+jitted update, SEE view layout) and its state (params, optimizer state, reference), built from a
+``PolicySpec`` on the mesh its run's placement gives it (born placed: no record without a mesh).
 
 ``Policy`` holds only what never changes during a run (hashable config, compiled functions); the
 changing arrays live in ``PolicyState``, a pytree the round passes in and returns.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 from flax import nnx, struct
@@ -19,6 +19,7 @@ from mrl_jax import models
 from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import iterate, make_logp_fn, make_update_step
+from mrl_jax.mwra import lockstep
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, RunOptions, chain, make_probe
 from mrl_jax.rollout import SamplingConfig
@@ -53,12 +54,11 @@ class Policy:
     # opt_state, ref_params, own Rows, SeeView, key, step i32[]) -> (params, opt_state, ref_params, metrics); step:
     # updates done before the round
     update: Callable
+    mesh: Any  # its MWRA sub-mesh (`Placement.meshes`): the update is pinned to it, the sampler runs on it
     prompt_format: PromptFormat = dataclasses.field(default_factory=PromptFormat)  # template or chat
-    mesh: Any = None  # its MWRA sub-mesh (trainer.placement.pin_policy); None = the default device
     num_generations: int = 1  # G: completions per prompt
     view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
-    update_for: Optional[Callable] = None  # micro_batch_size -> unpinned update (the memory plan compiles it)
     slots: Optional[int] = None  # the sampler's decode slots (sampling.slots; None: every row)
     slot_width: int = 0  # prompt entries of each slot, at least (the widest train prompt: one decode program)
 
@@ -72,8 +72,13 @@ class Policy:
 
     def init_state(self, params, ref_params=None) -> PolicyState:
         """``params`` with a fresh optimizer state (a LoRA policy's covers its adapters only)."""
-        trainable = lora_lib.split_adapters(params)[0] if self.spec.lora.rank else params
-        return PolicyState(params=params, opt_state=self.optimizer.init(trainable), ref_params=ref_params)
+        return fresh_state(self.spec, self.optimizer, params, ref_params)
+
+
+def fresh_state(spec: PolicySpec, optimizer, params, ref_params=None) -> PolicyState:
+    """``params`` with a fresh ``optimizer`` state (a LoRA policy's covers its adapters only)."""
+    trainable = lora_lib.split_adapters(params)[0] if spec.lora.rank else params
+    return PolicyState(params=params, opt_state=optimizer.init(trainable), ref_params=ref_params)
 
 
 def _check_model_dir(spec: PolicySpec) -> None:
@@ -270,14 +275,29 @@ def prompt_limit(spec: PolicySpec, model) -> int:
     return limit
 
 
-def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig) -> tuple[Policy, Any]:
-    """The policy record of ``model`` (graph, optimizer, sampler config, jitted update) and its params.
+class BuiltPolicy(NamedTuple):
+    """What `build_policy` makes: the placed record, the model's params (host or built weights), the shapes of its
+    ``PolicyState`` and ``update_at(micro_batch_size)``, its unpinned update at another micro-batch (the memory
+    plan's fix search compiles those)."""
 
-    ``spec.lora.rank > 0``: ``model`` gets adapters (``add_lora``); the params are then the full state (base +
-    adapters, what the sampler and checkpoints use) and ``Policy.init_state`` gives an optimizer state of the
-    adapters only."""
+    policy: Policy
+    params: Any
+    state_shapes: PolicyState
+    update_at: Callable[[int], Callable]
+
+
+def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig,
+                 placement) -> BuiltPolicy:
+    """Policy ``index`` of ``model`` (with its adapters: `add_lora`) on ``placement.meshes[index]``: graph,
+    optimizer, sampler config, and its update jitted for that mesh with the state sharded as
+    ``placement.shardings`` places it.
+
+    ``spec.lora.rank > 0``: the params are the full state (base + adapters, what the sampler and checkpoints
+    use) and ``Policy.init_state`` gives an optimizer state of the adapters only."""
+    from mrl_jax.trainer.placement import pin_update
+    from mrl_jax.trainer.reference import holds_reference
+
     limit = prompt_limit(spec, model)
-    model = add_lora(spec, model, seed=run.seed * 1000 + index)
     graphdef, params = nnx.split(model)
     opt = spec.optimizer
     optimizer = opt.build(total_steps=run.rounds * spec.grpo.num_iterations)
@@ -286,19 +306,21 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     probe = make_probe(spec.probes, options)
     if run.dynamic_sampling.enable:   # DAPO's filter: uniform groups leave the PG loss (trainer.dynamic_sampling)
         probe = chain(filter_groups(options=options), probe)
-    update_for = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg, spec)
+    update_at = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg, spec)
     stops = build_stop_ids(spec, tokenizer)
     model_vocab = model.config.vocab_size
     prompt_format = build_prompt_format(spec, tokenizer)
     warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = spec.sampling.build(tuple(stops), pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
                                    vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
+    shapes = jax.eval_shape(lambda p: fresh_state(spec, optimizer, p, p if holds_reference(spec) else None), params)
+    mesh = placement.meshes[index]
+    update = lockstep(mesh, pin_update(update_at(opt.micro_batch_size), mesh, placement.shardings(index, shapes)))
     policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update_for(opt.micro_batch_size),
-                    prompt_format=prompt_format, num_generations=run.num_generations,
-                    view_shape=run.see.view_shape(), prompt_limit=limit, update_for=update_for,
+                    probe=probe, optimizer=optimizer, update=update, mesh=mesh, prompt_format=prompt_format,
+                    num_generations=run.num_generations, view_shape=run.see.view_shape(), prompt_limit=limit,
                     slots=spec.sampling.slots)
-    return policy, params
+    return BuiltPolicy(policy, params, shapes, update_at)
 
 
 def param_count(state: PolicyState) -> int:

@@ -320,9 +320,6 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around the device parts (rollout and
     update dispatch); every transfer there is an explicit ``mwra.put``.
     """
-    unplaced = [pol.name for pol in policies if pol.mesh is None]
-    if unplaced:
-        raise ValueError(f"run_round: policies {unplaced} have no mesh; build them with trainer.Run (placement on)")
     timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts, states, N = list(inputs.prompts), state.policies, len(policies)

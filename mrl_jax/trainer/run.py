@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
@@ -22,9 +23,10 @@ from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.memory import plan_memory, prompt_width
-from mrl_jax.trainer.placement import Placement, make_placement, pin_policy
-from mrl_jax.trainer.policy import Policy, build_model, build_policy, build_tokenizer, param_count
-from mrl_jax.trainer.reference import holds_reference, initial_reference
+from mrl_jax.trainer.placement import Placement, make_placement
+from mrl_jax.trainer.policy import (Policy, add_lora, build_model, build_policy, build_prompt_format,
+                                    build_tokenizer)
+from mrl_jax.trainer.reference import initial_reference
 from mrl_jax.trainer.round import RoundInputs, RunState
 from mrl_jax.trainer.sft import uniform_draw, warm_start
 
@@ -67,6 +69,20 @@ def text_budget(requested: int, policies: Sequence[Policy]) -> int:
     return requested
 
 
+def prompt_lengths(texts: Sequence[str], tokenizers: Sequence, formats: Sequence) -> np.ndarray:
+    """int[N, num_policies]: each policy's prompt token count (template and BOS included), as ``encode_prompts``
+    encodes it."""
+    out = np.zeros((len(texts), len(tokenizers)), np.int64)
+    for k, (tok, fmt) in enumerate(zip(tokenizers, formats)):
+        out[:, k] = [len(q) for q in fmt.encode(tok, texts)]
+    return out
+
+
+def _size(tree) -> int:
+    """Elements in ``tree`` (arrays or shapes): a model's parameter count for the cost model."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(tree)))
+
+
 def _shapes(tree):
     """``tree`` as ``jax.ShapeDtypeStruct`` leaves without shardings (what a numpy template restores as)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
@@ -90,26 +106,29 @@ class Run:
         self.eval_prompts = self.task.eval_prompts()
         self.dense = {p.id: k for k, p in enumerate(self.train_prompts)}
         corpus = task_corpus(self.task)
-        self.policies: list[Policy] = []
-        self._weights = []   # per policy: the built params (random init or loaded), before any warm start
         self.warm_start_losses: dict[str, list[float]] = {}
+        tokenizers, models_ = [], []
         for i, spec in enumerate(cfg.policies):
             tok = build_tokenizer(spec, corpus, cache_dir)
             model = build_model(spec, tok, seed=cfg.seed * 1000 + i, abstract=abstract, platform=platform)
-            pol, params = build_policy(i, spec, tok, model, cfg)
-            self.policies.append(pol)
-            self._weights.append(params)
+            tokenizers.append(tok)
+            models_.append(add_lora(spec, model, seed=cfg.seed * 1000 + i))
+        formats = [build_prompt_format(spec, tok) for spec, tok in zip(cfg.policies, tokenizers)]
+        texts = [p.text for p in self.train_prompts[:256]]   # the cost model's prompt part: mean prompt tokens
+        prompt_tokens = prompt_lengths(texts, tokenizers, formats).mean(axis=0) if texts else np.zeros(len(formats))
+        self.placement: Placement = make_placement(cfg, [_size(nnx.state(m)) for m in models_],
+                                                   [float(t) for t in prompt_tokens], devices)
+        built = [build_policy(i, spec, tok, model, cfg, self.placement)
+                 for i, (spec, tok, model) in enumerate(zip(cfg.policies, tokenizers, models_))]
+        self.policies: list[Policy] = [b.policy for b in built]
+        self._weights = [b.params for b in built]   # per policy: the built params, before any warm start
+        self._abstract = [b.state_shapes for b in built]
+        self.update_at = [b.update_at for b in built]   # micro_batch_size -> unpinned update (memory plan fixes)
         self._fit_prompts()
         if not self.eval_prompts:
             raise ConfigError(_no_heldout(cfg))
         self._text_bytes = text_budget(cfg.see.max_text_bytes, self.policies)
-        self._abstract = [jax.eval_shape(lambda p, pol=pol: pol.init_state(p, p if holds_reference(pol.spec) else None),
-                                         params) for pol, params in zip(self.policies, self._weights)]
-        self.memory = None   # the compiled memory plan (trainer.memory.plan_memory), set by `train`
-        self.placement: Placement = make_placement(cfg, [param_count(s) for s in self._abstract],
-                                                   self._mean_prompt_tokens(), devices)
-        self.policies = [pin_policy(p, self.placement.meshes[i], self.placement.shardings(i, self._abstract[i]))
-                         for i, p in enumerate(self.policies)]
+        self.memory = None   # the compiled memory plan (trainer.memory.plan_memory), set by `plan_memory`
 
     def plan_memory(self):
         """The compiled memory plan (`trainer.memory.plan_memory`, kept as ``memory``; None where no device limit
@@ -174,20 +193,8 @@ class Run:
         return uniform_draw(self.task.sft_examples(part))
 
     # ---------------------------------------------------------------------------------------- prompts
-    def _mean_prompt_tokens(self, sample: int = 256) -> list[float]:
-        """Mean prompt tokens per policy over (up to ``sample``) train prompts: the cost model's prompt part."""
-        texts = [p.text for p in self.train_prompts[:sample]]
-        if not texts:
-            return [0.0] * len(self.policies)
-        return [float(v) for v in self._prompt_lengths(texts).mean(axis=0)]
-
     def _prompt_lengths(self, texts: Sequence[str]) -> np.ndarray:
-        """int[N, num_policies]: each policy's prompt token count (template and BOS included), as
-        ``encode_prompts`` encodes it."""
-        out = np.zeros((len(texts), len(self.policies)), np.int64)
-        for k, pol in enumerate(self.policies):
-            out[:, k] = [len(q) for q in pol.prompt_format.encode(pol.tokenizer, texts)]
-        return out
+        return prompt_lengths(texts, [p.tokenizer for p in self.policies], [p.prompt_format for p in self.policies])
 
     def _fits(self, text: str) -> bool:
         return bool(np.all(self._prompt_lengths([text])[0] <= np.asarray(self.prompt_limits)))
