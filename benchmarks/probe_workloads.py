@@ -6,7 +6,7 @@
 - ``reasoning``: algorithmic string reasoning where GRPO alone learns -- ``copy`` (4-8 letters), ``rev``
   (reverse, 3-5) and ``sort`` (3-5), exact-match verified, held-out inputs disjoint from the train ones. Three
   policies of three families and tokenizer algorithms (Llama + byte-level BPE, GPT-2 + Unigram, Qwen2 +
-  characters) with different warm-start budgets (1000 / 700 / 400 SFT steps), so they begin between 15 % and
+  characters) with different warm-start budgets (1000 / 700 / 600 SFT steps), so they begin between 15 % and
   60 % sampled pass@1 with different skills; the curve is held-out sampled reward@1 (the mean exact-match
   reward of K samples at temperature 1, the paper's reward@1), every ``eval_every`` rounds.
 
@@ -48,10 +48,10 @@ class FactsSettings:
 class ReasoningSettings:
     """The reasoning task's budget: calibrated so ``none`` alone gains >= 0.1 sampled pass@1 on average."""
 
-    rounds: int = 40
+    rounds: int = 50
     prompts_per_round: int = 32
     num_generations: int = 8
-    sft_steps: tuple[int, int, int] = (1000, 700, 400)
+    sft_steps: tuple[int, int, int] = (1000, 700, 600)
     learning_rate: float = 1e-3
     eval_per_skill: int = 32        # held-out inputs per skill (96 prompts)
     eval_every: int = 5
@@ -138,7 +138,7 @@ def reasoning_config(probe: str, s: ReasoningSettings, seed: int, num_eval: int)
                                                 num_kv_heads=2), TokenizerSpec(kind="byte_bpe", vocab_size=300), llama),
                   policy("gpt2_unigram", ModelSpec(family="gpt2", hidden_size=64, num_layers=2, num_heads=4),
                          TokenizerSpec(kind="unigram", vocab_size=300), gpt2),
-                  policy("qwen2_char", ModelSpec(family="qwen2", hidden_size=48, num_layers=2, num_heads=4,
+                  policy("qwen2_char", ModelSpec(family="qwen2", hidden_size=64, num_layers=2, num_heads=4,
                                                  num_kv_heads=2), TokenizerSpec(kind="char", vocab_size=300), qwen)],
         seed=seed, rounds=s.rounds, prompts_per_round=s.prompts_per_round, num_generations=s.num_generations,
         eval_every=s.eval_every, eval_prompts=num_eval, eval_samples=s.eval_samples, eval_temperature=1.0,
