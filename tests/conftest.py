@@ -11,6 +11,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Child processes inherit it. Set --xla_backend_optimization_level yourself to test another level.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# No persistent compilation cache shared between the xdist workers and their child processes: the `mrl` verbs the
+# tests call would share ~/.cache/mrl_jax/jax_cache, and a worker segfaulted loading an entry another process wrote
+# (MRL_TEST_XLA_CACHE=DIR turns the tests' own cache on: tests/support.py `compile_cache_dir`).
+os.environ.setdefault("MRL_COMPILATION_CACHE", "off")
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the tests of benchmarks/ import them; tests/support.py is the suite's own library
     sys.path.insert(0, str(REPO))

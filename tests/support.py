@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,11 +25,12 @@ TIME_KEYS = ("time/", "time_s", "hung_threads")  # wall-clock figures: excluded 
 
 
 # ------------------------------------------------------------------------------------------ set-up
-def compile_cache_dir() -> str:
-    """A persistent XLA compilation cache shared by the tests, the soak and their child processes (a fresh
-    jit of the same computation in another ``train`` call or process then loads instead of compiling)."""
-    default = os.path.join(tempfile.gettempdir(), f"mrl_jax_xla_cache_{os.getuid()}")
-    return os.environ.get("MRL_TEST_XLA_CACHE") or default
+def compile_cache_dir() -> str | None:
+    """The persistent XLA compilation cache the tests, the soak and their child processes share when
+    ``MRL_TEST_XLA_CACHE`` names a directory; None (no persistent cache) otherwise. Off by default: two full
+    suite runs with it on segfaulted in ``deserialize_executable`` (a worker loading an entry the other worker or
+    a child process had written), killing the xdist worker."""
+    return os.environ.get("MRL_TEST_XLA_CACHE") or None
 
 
 def forced_devices_env(devices: int, base: dict | None = None) -> dict:
@@ -45,13 +45,20 @@ def forced_devices_env(devices: int, base: dict | None = None) -> dict:
 
 
 def compile_cache_env() -> dict:
-    return {"JAX_COMPILATION_CACHE_DIR": compile_cache_dir(), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    """A child process's environment for the tests' cache (empty when it is off: `compile_cache_dir`)."""
+    path = compile_cache_dir()
+    if path is None:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def enable_compile_cache():
-    """Turn the persistent compilation cache on in this process (also after jax already compiled something);
-    returns a function that restores the previous settings."""
+    """Turn the persistent compilation cache on in this process (also after jax already compiled something) when
+    `compile_cache_dir` names one; returns a function that restores the previous settings."""
+    path = compile_cache_dir()
+    if path is None:
+        return lambda: None
     import jax
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
@@ -68,7 +75,7 @@ def enable_compile_cache():
         except Exception:  # noqa: BLE001 -- private API; without it the run is only slower
             pass
 
-    apply(dict(zip(names, (compile_cache_dir(), 0.0, -1))))
+    apply(dict(zip(names, (path, 0.0, -1))))
     return lambda: apply(before)
 
 
