@@ -380,6 +380,8 @@ def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path,
 
     from mrl_jax.trainer.checkpoint import RunCheckpointer
 
+    # Python's own handler, whatever this process inherited (a shell's background job starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     original = cch.CompositeCheckpointHandler.save
 
     def save(self, directory, *args, **kwargs):
@@ -394,6 +396,7 @@ def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path,
     assert ckpt.latest_round() == 3 and sorted(p.name for p in ckpt.directory.iterdir()) == ["3"]
     assert "finishing the checkpoint of round 3; Ctrl-C again abandons it" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handler is restored
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
