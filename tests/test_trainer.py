@@ -227,3 +227,30 @@ def test_checkpointer_keeps_k_and_restores_exactly(tmp_path):
     raw, _ = ckpt.read()
     assert np.array_equal(raw["w"], state["w"] + 3)
     ckpt.close()
+
+
+def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
+    """The round key's streams by name: policy i's rollout noise is ``RoundKeys.rollout[i]`` (the round's tokens are
+    the sampler's with that key), every key of the round is distinct, and the update stream is another one."""
+    from contextlib import nullcontext
+
+    import jax
+
+    from mrl_jax.trainer.placement import mesh_generate
+    from mrl_jax.trainer.round import RoundKeys, _rollouts
+
+    run = Run(support.to_run_config(support.tiny_config()))
+    state = run.initial_state(run.warm_params())
+    inputs = run.round_inputs(0)
+    keys = RoundKeys.of(inputs.key, len(run.policies))
+    data = [np.asarray(jax.random.key_data(k)).tobytes() for k in keys.rollout + keys.update]
+    assert len(set(data)) == 2 * len(run.policies)
+    texts = [p.text for p in inputs.prompts]
+    sampled, _ = _rollouts(run.policies, state.policies, texts, keys, nullcontext, 0.0)
+    for pol, ps, (ids, mask, out) in zip(run.policies, state.policies, sampled):
+        same = mesh_generate(pol, ps.params, ids, mask, keys.rollout[pol.index], pol.sampling,
+                             num_samples=pol.num_generations)
+        other = mesh_generate(pol, ps.params, ids, mask, keys.update[pol.index], pol.sampling,
+                              num_samples=pol.num_generations)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(same.tokens))
+        assert not np.array_equal(np.asarray(out.tokens), np.asarray(other.tokens))

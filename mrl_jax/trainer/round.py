@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,7 @@ _see_add = jax.jit(see_lib.add)
 
 
 ROUND_PHASES = ("rollout", "decode", "rewards", "see", "views", "thl", "stage", "update")
+ROLLOUT, UPDATE = 0, 1   # the streams of a round key (`RoundKeys`), folded in by name
 
 
 class PhaseTimer:
@@ -171,7 +172,21 @@ def _update_policy(pol: Policy, ps: PolicyState, rows: Rows, view, key, round_in
     return PolicyState(params=params, opt_state=opt_state, ref_params=ref), m
 
 
-def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: Sequence[str], keys: Sequence,
+class RoundKeys(NamedTuple):
+    """A round key's streams by name, one key per policy in each: ``rollout[i]`` = ``split(fold_in(key, ROLLOUT),
+    N)[i]`` (policy i's sampling noise), ``update[i]`` likewise from ``fold_in(key, UPDATE)`` (its update's
+    dropout and probe keys). A new stream is a new name: the others keep their keys."""
+
+    rollout: list
+    update: list
+
+    @classmethod
+    def of(cls, key, num_policies: int) -> "RoundKeys":
+        stream = lambda name: list(jax.random.split(jax.random.fold_in(key, name), num_policies))
+        return cls(rollout=stream(ROLLOUT), update=stream(UPDATE))
+
+
+def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: Sequence[str], keys: "RoundKeys",
               guard, t0: float) -> tuple[list, list]:
     """([(prompt_ids, prompt_mask, Rollout)] on the host, [stamps]) of every policy: every rollout dispatched
     before any result is read; results fetched to the host, trimmed."""
@@ -179,7 +194,7 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
     for pol, ps in zip(policies, states):
         ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts, max_width=pol.prompt_limit)  # [P, Tp]
         with guard():
-            launched.append(_dispatch_rollout(pol, ps, ids, mask, keys[pol.index]))
+            launched.append(_dispatch_rollout(pol, ps, ids, mask, keys.rollout[pol.index]))
         encoded.append((ids, mask))
         stamps.append({"rollout_dispatched": time.perf_counter() - t0})
     with guard():   # the slot samplers to the end, one program of each policy in turn
@@ -235,7 +250,7 @@ def _views(see, policies: Sequence[Policy], dense_ids: np.ndarray, timer: PhaseT
     return views, thl_metrics
 
 
-def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> tuple:
+def _stage(pol: Policy, s: Sampled, view, keys: "RoundKeys") -> tuple:
     """(own rows, view, update key) of one policy on its mesh: the rows built from its rollout on the host
     (``rows.own_rows``), then placed (rows split over the data axis where they divide it)."""
     out = s.rollout
@@ -244,7 +259,7 @@ def _stage(pol: Policy, s: Sampled, view, keys: Sequence, num_policies: int) -> 
                     np.asarray(s.score.rewards, np.float32), np.asarray(out.truncated), consumer=pol.index)
     rows = mwra.shard_rows(rows, pol.mesh, strict=False)
     view = mwra.to_mesh(view, pol.mesh, via_host=True)   # SEE (host / default device) -> consumer
-    return rows, view, _replicated(pol, keys[num_policies + pol.index])
+    return rows, view, _replicated(pol, keys.update[pol.index])
 
 
 def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: Sequence[tuple], round_index: int,
@@ -293,10 +308,10 @@ def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metr
     return m
 
 
-def _sample(policies: Sequence[Policy], states: Sequence[PolicyState], prompts: Sequence, keys: Sequence, scorer,
+def _sample(policies: Sequence[Policy], states: Sequence[PolicyState], prompts: Sequence, keys: "RoundKeys", scorer,
             guard, timer: PhaseTimer, t0: float) -> tuple[list, list]:
     """([Sampled], [stamps]): phases rollout, decode and rewards of ``prompts`` for every policy (``keys``: the
-    round's 2N keys)."""
+    round's, or an extra batch's, `RoundKeys`)."""
     with timer("rollout"):
         launched, stamps = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
     with timer("decode"):
@@ -323,12 +338,12 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts, states, N = list(inputs.prompts), state.policies, len(policies)
-    keys = list(jax.random.split(inputs.key, 2 * N))   # indexed here, outside any transfer guard
+    keys = RoundKeys.of(inputs.key, N)   # split here, outside any transfer guard
     sampled, stamps = _sample(policies, states, prompts, keys, scorer, guard, timer, t0)
     if inputs.oversampler is not None:   # dynamic sampling: more prompt batches, the kept batch's samples
         def more(extra: RoundInputs) -> list:
-            return _sample(policies, states, list(extra.prompts), list(jax.random.split(extra.key, 2 * N)), scorer,
-                           guard, timer, t0)[0]
+            return _sample(policies, states, list(extra.prompts), RoundKeys.of(extra.key, N), scorer, guard, timer,
+                           t0)[0]
 
         sampled, inputs = inputs.oversampler.fill(policies, sampled, inputs, float(state.see.tau), more)
         prompts = list(inputs.prompts)
@@ -338,7 +353,7 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     with timer("views"):   # SEE selection and view assembly; the THL alignments inside it: phase "thl"
         views, thl_metrics = _views(see, policies, inputs.dense_ids, timer)
     with timer("stage"):
-        staged = [_stage(pol, s, view, keys, N) for pol, s, view in zip(policies, sampled, views)]
+        staged = [_stage(pol, s, view, keys) for pol, s, view in zip(policies, sampled, views)]
     with timer("update"):
         new_states, raws, update_stamps = _updates(policies, states, staged, inputs.index, guard, t0)
     metrics, samples = {}, []
