@@ -91,6 +91,21 @@ def run_cell(work: str, probe: str, budget, seed: int, cell: Path, verbose: bool
     return meta
 
 
+def _compile_cache_dir() -> Optional[str]:
+    """This process's persistent XLA compilation cache directory (None: off)."""
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
+
+
+def _share_compile_cache(directory: Optional[str]) -> None:
+    """A ``--jobs`` worker's initializer: the parent's compilation cache (a cell's programs compile once per
+    comparison, not once per cell: the cells of a task share every shape)."""
+    from mrl_jax import compile_cache
+
+    compile_cache.enable(directory, disabled=directory is None)
+
+
 def _run_cell_job(args: tuple) -> dict:
     """``run_cell`` in a worker process (``--jobs``): the budget travels as its workload's name and fields."""
     work, probe, fields, seed, cell = args
@@ -265,7 +280,8 @@ def _cells(out: Path, workloads: Sequence[str], probes: Sequence[str], s: Settin
 
         import benchmarks.bench_probes as me   # the worker imports the job by this module's name
 
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=me._share_compile_cache, initargs=(_compile_cache_dir(),)) as pool:
             metas = list(pool.map(me._run_cell_job, todo))
     else:
         metas = [_run_cell_job(t) for t in todo]
@@ -351,6 +367,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="cells trained at once, one process each (default 1)")
     ap.add_argument("--out", required=True, help="output directory (cells are reused when it exists)")
     args = ap.parse_args(argv)
+    from mrl_jax import compile_cache
+
+    compile_cache.enable()   # as the `mrl` verbs: MRL_COMPILATION_CACHE moves it or turns it off
     compare(args.out, args.probes.split(",") if args.probes else None, quick=args.quick,
             workloads=args.tasks.split(","), jobs=args.jobs)
     return 0

@@ -108,3 +108,15 @@ def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, ca
         assert main(["bench", "probes", "--quick", *flags, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"mrl bench: config error: {msg}", err
+
+
+def test_jobs_workers_share_the_parents_compilation_cache(tmp_path):
+    """``--jobs`` workers are spawned (fresh interpreters): each gets the parent's persistent compilation cache
+    (or none), so a comparison compiles a shape once, not once per cell."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    for directory in (str(tmp_path / "xla"), None):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=B._share_compile_cache,
+                                 initargs=(directory,)) as pool:
+            assert pool.submit(B._compile_cache_dir).result() == directory

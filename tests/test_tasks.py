@@ -249,3 +249,25 @@ def test_jsonl_bad_lines_name_file_and_line(tmp_path):
     empty = _write(tmp_path / "empty.jsonl", [""])
     with pytest.raises(ValueError, match="empty"):
         load_jsonl(empty)
+
+
+def test_mixture_sft_draws_build_their_pools_once_per_part(monkeypatch):
+    """A warm start draws thousands of batches: the component tasks' example lists are built once per part (they
+    were rebuilt for every batch), and the draws are the weighted two-stage draw."""
+    copy, rev = StringTask("copy", n_train=40, n_eval=4), StringTask("rev", n_train=40, n_eval=4)
+    m = MixtureTask([copy, rev], weights=[3, 1])
+    calls = {"n": 0}
+    real = StringTask.sft_examples
+
+    def counted(self, part=None):
+        calls["n"] += 1
+        return real(self, part)
+
+    monkeypatch.setattr(StringTask, "sft_examples", counted)
+    rng = np.random.default_rng(0)
+    draws = [m.sample_sft(8, rng) for _ in range(300)]
+    assert calls["n"] == 2   # one per component task, not 2 x 300
+    frac_copy = np.mean([s.prompt.startswith("copy:") for d in draws for s in d])
+    assert abs(frac_copy - 0.75) < 0.03
+    with pytest.raises(ValueError, match="no part 'Z'"):
+        m.sample_sft(2, rng, part="Z")

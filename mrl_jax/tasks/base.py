@@ -236,6 +236,7 @@ class MixtureTask(Task):
         self.parts = tuple(parts)
         self.part_tasks = None if part_tasks is None else {k: list(v) for k, v in part_tasks.items()}
         self.heldout_disjoint = all(t.heldout_disjoint for t in self.tasks)
+        self._sft_pool_cache: dict = {}
 
     def _build(self):
         owner: dict[int, str] = {}
@@ -283,26 +284,33 @@ class MixtureTask(Task):
         """``n`` SFT pairs drawn like :meth:`sample_train`: a task by ``weights`` (among the tasks that
         contribute to ``part``), then one of its examples uniformly -- so a small fact table is not
         drowned by large generated tasks."""
-        pools, ws = [], []
-        for t, w in zip(self.tasks, self.weights):
-            if part is None:
-                ex = t.sft_examples()
-            elif t.parts:
-                ex = t.sft_examples(part) if part in t.parts else []
-            elif self.part_tasks is None or t.name in self.part_tasks.get(part, ()):
-                ex = t.sft_examples()
-            else:
-                ex = []
-            if ex and w > 0:
-                pools.append(ex)
-                ws.append(w)
-        if part is not None and part not in self.parts:
-            raise ValueError(f"mixture {self.name!r} has no part {part!r} (parts: {list(self.parts)})")
-        if not pools:
-            raise ValueError(f"mixture {self.name!r}: no SFT examples for part {part!r}")
-        p = np.asarray(ws) / np.sum(ws)
+        pools, p = self._sft_pools(part)
         ks = rng.choice(len(pools), size=n, p=p)
         return [pools[k][rng.integers(0, len(pools[k]))] for k in ks]
+
+    def _sft_pools(self, part: str | None) -> tuple[list[list[SFTExample]], np.ndarray]:
+        """(the SFT example pools contributing to ``part``, their draw probabilities), built once per part (a
+        warm start draws thousands of batches from the same pools)."""
+        if part not in self._sft_pool_cache:
+            if part is not None and part not in self.parts:
+                raise ValueError(f"mixture {self.name!r} has no part {part!r} (parts: {list(self.parts)})")
+            pools, ws = [], []
+            for t, w in zip(self.tasks, self.weights):
+                if part is None:
+                    ex = t.sft_examples()
+                elif t.parts:
+                    ex = t.sft_examples(part) if part in t.parts else []
+                elif self.part_tasks is None or t.name in self.part_tasks.get(part, ()):
+                    ex = t.sft_examples()
+                else:
+                    ex = []
+                if ex and w > 0:
+                    pools.append(ex)
+                    ws.append(w)
+            if not pools:
+                raise ValueError(f"mixture {self.name!r}: no SFT examples for part {part!r}")
+            self._sft_pool_cache[part] = (pools, np.asarray(ws) / np.sum(ws))
+        return self._sft_pool_cache[part]
 
     def sample_train(self, n: int, rng: np.random.Generator) -> list[Prompt]:
         """``n`` prompts: a task drawn by ``weights``, then a prompt uniformly within it."""
