@@ -133,7 +133,7 @@ def figures(result: dict, out: Path) -> None:
                 ax.fill_between(x, m - se, m + se, color=line.get_color(), alpha=0.15, linewidth=0)
             ax.set_title(n if n != "average" else "average over policies", fontsize=10)
             ax.set_xlabel("RL rounds done (0 = warm start)")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         axes[0, 0].set_ylabel(f"{w['curve_label']}\n(fraction of held-out prompts)")
         fig.suptitle(f"{name}: {w['curve_label']} per round, mean ± s.e. over {seeds} seed(s)")
         _legend(fig, axes)

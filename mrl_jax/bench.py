@@ -25,7 +25,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 QUICK_LOOK = ("rollout", "thl", "trl", "update")
-# not in every `mrl bench`: an hour-long probe comparison (`mrl bench probes`), hours of TPU compiles (--only tpu)
+# not in every `mrl bench`: a 25-minute probe comparison on 2 cores (`mrl bench probes`), hours of TPU compiles (--only tpu)
 OWN_COMMAND = ("probes", "tpu")
 
 
