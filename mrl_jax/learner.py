@@ -17,7 +17,9 @@
 4. denominators of every loss term from the full rows (they never depend on log-probs); a ``lax.scan``
    over micro-batches accumulates the gradient of ``pg_sum / pg_den + sum_k term_sum_k / term_den_k``,
    so the accumulated gradient equals the full-batch one exactly (bnpo: TRL's per-micro-batch token mean);
-5. optax update; a non-finite loss or gradient leaves params/opt_state unchanged (metrics["skipped"]=1).
+5. optax update through ``skip_non_finite`` (``optax.apply_if_finite``): a non-finite loss or gradient leaves
+   params and the inner optimizer state unchanged (metrics["skipped"]=1); the skips are counted in the
+   optimizer state (metrics["skipped_in_a_row"]), so the count is checkpointed and survives a resume.
 
 Log-probs: ``model.hidden_prefix`` (each prompt computed once for its G own completions; peer rows:
 ``model.hidden`` on [prompt ++ completion]), then ``grpo.chunked_token_stats`` with ``model.head(h) /
@@ -48,7 +50,7 @@ def make_optimizer(lr: float, weight_decay: float = 0.0, max_grad_norm: float = 
                    total_steps: Optional[int] = None, schedule: str = "constant", b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
     """AdamW (decoupled weight decay) after clip_by_global_norm (0 = no clipping), with linear warm-up then
-    a constant / cosine (to 0) / linear (to 0) schedule over total_steps."""
+    a constant / cosine (to 0) / linear (to 0) schedule over total_steps, inside ``skip_non_finite``."""
     if lr <= 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if schedule not in ("constant", "cosine", "linear"):
@@ -65,7 +67,17 @@ def make_optimizer(lr: float, weight_decay: float = 0.0, max_grad_norm: float = 
     sched = optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w > 0 else decay
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-    return optax.chain(*parts)
+    return skip_non_finite(optax.chain(*parts))
+
+
+NEVER = 2 ** 31 - 1   # non-finite updates in a row after which apply_if_finite would apply one anyway
+
+
+def skip_non_finite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` applied to finite gradients only: ``optax.apply_if_finite`` that never gives in (a non-finite
+    gradient leaves params and ``inner``'s state as they were). Its state counts the skips (``notfinite_count``
+    in a row, ``total_notfinite``), the counter a run's stop condition reads; ``make_update_step`` needs it."""
+    return optax.apply_if_finite(inner, max_consecutive_errors=NEVER)
 
 
 def assemble_rows(rows: Rows, view=None, probe_index: Union[int, jax.Array] = 0) -> Rows:
@@ -152,10 +164,6 @@ def make_grad_fn(graphdef, probe=None, grpo_config: Optional[GRPOConfig] = None,
     return jax.jit(grads_fn) if jit else grads_fn
 
 
-def _tree_where(c, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
-
-
 def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=None,
                      grpo_config: Optional[GRPOConfig] = None, micro_batch_size: int = 0, *,
                      donate: bool = True, jit: bool = True):
@@ -167,23 +175,27 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     nnx.split(model, nnx.LoRAParam, ...)``); the forward is ``nnx.merge(graphdef, params, frozen)``, gradients
     and the optimizer cover ``params`` only, and ``frozen`` is not donated.
     graphdef from ``nnx.split(model)``; probe: a ``Probe`` or spec string (``make_probe``);
+    optimizer: one whose state counts skipped updates (``skip_non_finite(...)``; ``make_optimizer``'s is);
     micro_batch_size: rows per micro-batch (0 = all rows in one); rows are padded up to a multiple.
     Params and opt_state are donated (donate=True): do not reuse the arrays passed in.
-    Metrics: loss, pg_loss, kl, entropy, clip_ratio/*, ratio_mean, grad_norm, skipped, reward_mean,
+    Metrics: loss, pg_loss, kl, entropy, clip_ratio/*, ratio_mean, grad_norm, skipped, skipped_in_a_row, reward_mean,
     reward_std, frac_reward_zero_std, adv_abs_mean, num_tokens, pg_rows, plus the probes' figures
     (prp/*, sgt/*, xgrpo/*).
     """
     grads_fn = make_grad_fn(graphdef, probe, grpo_config, micro_batch_size)
 
     def update(params, opt_state, rows: Rows, see_view, key, probe_index=0, frozen=None):
+        if not isinstance(opt_state, optax.ApplyIfFiniteState):
+            raise TypeError("make_update_step: the optimizer must skip non-finite updates and count them; wrap it "
+                            "in learner.skip_non_finite (make_optimizer's optimizer is)")
         loss, grads, metrics = grads_fn(params, rows, see_view, key, probe_index, frozen)
         gnorm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        safe_g = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-        updates, new_opt = optimizer.update(safe_g, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=gnorm, skipped=1.0 - finite.astype(jnp.float32))
-        return _tree_where(finite, new_params, params), _tree_where(finite, new_opt, opt_state), metrics
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)   # a non-finite loss skips as a non-finite gradient does
+        grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.nan), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = dict(metrics, grad_norm=gnorm, skipped=1.0 - finite.astype(jnp.float32),
+                       skipped_in_a_row=opt_state.notfinite_count.astype(jnp.float32))
+        return optax.apply_updates(params, updates), opt_state, metrics
 
     if not jit:
         return update

@@ -90,8 +90,9 @@ class Denominators(NamedTuple):
 
 def prepare(rows: Rows, view, key, probe, cfg: GRPOConfig, peer_logp: Optional[Callable] = None):
     """(rows, probe metrics): truncated rows out of the PG term (``mask_truncated_completions``), peer rows'
-    old_logp from ``peer_logp(peer_rows) -> f32[S, Tc]`` (no grad) when the probe needs it, then ``probe.extend``, GRPO group advantages of own rows (the run's scale/eps), then
-    ``probe.advantages``."""
+    old_logp from ``peer_logp(peer_rows) -> f32[S, Tc]`` (no grad) when the probe needs it, then ``probe.extend``,
+    GRPO group advantages of own rows (the run's scale/eps), then ``probe.advantages`` (the pooled advantages a
+    chain computed are dropped then: the rows carry the final ``advantages``)."""
     P, G, n_own = rows.num_prompts, rows.num_generations, rows.num_own
     R = rows.num_rows
     if cfg.mask_truncated_completions:   # own rows that hit the length limit leave the PG term
@@ -104,7 +105,7 @@ def prepare(rows: Rows, view, key, probe, cfg: GRPOConfig, peer_logp: Optional[C
     adv0 = grpo.group_advantages(own_r, cfg.scale_rewards, cfg.reward_eps).reshape(-1)
     adv = jnp.concatenate([adv0, jnp.zeros((R - n_own,), jnp.float32)])
     adv = probe.advantages(rows.rewards, rows, view, adv)
-    return rows.replace(advantages=adv), metrics
+    return rows.replace(advantages=adv, pooled_advantages=None), metrics
 
 
 def pg_term(logp, rows: Rows, cfg: GRPOConfig):

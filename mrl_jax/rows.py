@@ -47,8 +47,9 @@ class Rows:
     aux_weight f32[R, Tc] (stop-gradient per-token weight of a probe's own PG-like term, e.g. PRP's LUFFY
     shaping; such rows keep pg_row / pg_mask so they count in the PG denominator, with pg_weight 0),
     sft_weight f32[R] (SGT / replay weight), advantages f32[R].
-    Scalars: consumer int32[], probe_index int32[] (acting chain of a ``switch``), pool_weighted bool[]
-    (pooled baselines use HACPO capability weights; set by a probe's extend, read by every pooling probe).
+    Scalars: consumer int32[], probe_index int32[] (acting chain of a ``switch``).
+    pooled_advantages f32[R] or None: the pooled-group (XGRPO) advantages of every row, set once per chain by
+    the pooling probes (``probes._pooling``) and dropped when the advantages are final (``objective.prepare``).
     Static: num_prompts, num_generations. (The run's options are bound into the probes, not carried here.)
     """
     prompt_ids: jax.Array = per_row()
@@ -73,7 +74,7 @@ class Rows:
     advantages: jax.Array = per_row()
     consumer: jax.Array = struct.field(pytree_node=True, default=None)
     probe_index: jax.Array = struct.field(pytree_node=True, default=None)
-    pool_weighted: jax.Array = struct.field(pytree_node=True, default=None)
+    pooled_advantages: jax.Array = struct.field(pytree_node=True, default=None)
     num_prompts: int = struct.field(pytree_node=False, default=0)
     num_generations: int = struct.field(pytree_node=False, default=0)
 
@@ -118,7 +119,7 @@ def own_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp,
         chunk_valid=xp.zeros((n, num_chunks), bool), pg_row=xp.ones((n,), xp.float32), pg_mask=cm,
         pg_weight=xp.ones((n, Tc), xp.float32), aux_weight=xp.zeros((n, Tc), xp.float32),
         sft_weight=xp.zeros((n,), xp.float32), advantages=xp.zeros((n,), xp.float32),
-        consumer=cons, probe_index=xp.asarray(probe_index, xp.int32), pool_weighted=xp.asarray(False),
+        consumer=cons, probe_index=xp.asarray(probe_index, xp.int32),
         num_prompts=P, num_generations=G)
 
 
@@ -136,8 +137,7 @@ def peer_rows(view, prompt_ids, prompt_mask) -> Rows:
         source=view.source.astype(jnp.int32), dst_chunk=view.dst_chunk.astype(jnp.int32),
         src_chunk_logp=view.src_chunk_logp.astype(jnp.float32), chunk_valid=view.chunk_valid.astype(bool),
         pg_row=z(S), pg_mask=z(S, Tc), pg_weight=z(S, Tc), aux_weight=z(S, Tc), sft_weight=z(S), advantages=z(S),
-        consumer=jnp.asarray(view.consumer, jnp.int32), probe_index=jnp.asarray(0, jnp.int32),
-        pool_weighted=jnp.asarray(False))
+        consumer=jnp.asarray(view.consumer, jnp.int32), probe_index=jnp.asarray(0, jnp.int32))
 
 
 def concat(own: Rows, peers: Rows) -> Rows:

@@ -344,6 +344,13 @@ def contiguity_problems(records: list[dict], policies: list[str], rounds: int) -
     return problems
 
 
+def max_difference(xs, ys) -> float:
+    """The largest |x - y| over paired arrays (bool leaves, e.g. an optimizer state's flags, compared as 0 / 1)."""
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(xs, ys))
+
+
 def strip_times(record: dict) -> dict:
     return {k: v for k, v in record.items() if not any(t in k for t in TIME_KEYS)}
 

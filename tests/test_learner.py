@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -148,10 +149,18 @@ def test_nan_guard_leaves_params_unchanged():
     bad = _batch(prompts, comp, jnp.full((P * G, Tc), -2.0), r.at[3].set(np.nan))
     state = opt.init(params)
     p1, s1, m = update(params, state, bad, see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
-    assert float(m["skipped"]) == 1.0
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), (p1, s1), (params, state))
-    p2, _, m = update(params, state, bad.replace(rewards=r), see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
+    assert float(m["skipped"]) == 1.0 and float(m["skipped_in_a_row"]) == 1.0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), (p1, s1.inner_state),
+                 (params, state.inner_state))
+    _, s1, m = update(params, s1, bad, see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
+    assert int(s1.notfinite_count) == 2 and int(s1.total_notfinite) == 2   # the count lives in the optimizer state
+    p2, s2, m = update(params, s1, bad.replace(rewards=r), see.empty_view(P, 1, Tc, 1, 1), jax.random.PRNGKey(0))
     assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+    assert int(s2.notfinite_count) == 0 and int(s2.total_notfinite) == 2 and float(m["skipped_in_a_row"]) == 0.0
+    with pytest.raises(TypeError, match="skip_non_finite"):   # an optimizer that cannot skip is refused
+        make_update_step(graphdef, optax.adam(1e-3), "none", GRPOConfig(num_generations=G, max_completion_length=Tc),
+                         jit=False)(params, optax.adam(1e-3).init(params), bad, see.empty_view(P, 1, Tc, 1, 1),
+                                    jax.random.PRNGKey(0))
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
 
@@ -190,7 +199,7 @@ def test_iterate_is_the_loop_of_updates_with_the_reference_synced_between():
     # a non-finite batch (updates 6..8): every iteration skipped and counted, params unchanged
     bad = rows.replace(rewards=rows.rewards.at[0].set(np.nan))
     p3, _, r3, m3 = epochs(params, opt.init(params), ref, bad, view, key, jnp.int32(5))
-    assert float(m3["skipped"]) == 3.0
+    assert float(m3["skipped"]) == 3.0 and float(m3["skipped_in_a_row"]) == 3.0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p3, params)
     # the reference still syncs after updates 6 and 8: twice toward the unchanged params
     twice = mix(params, mix(params, ref))

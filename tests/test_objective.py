@@ -86,11 +86,34 @@ def test_pooling_probes_commute_and_keep_hacpo_weights():
     a1 = adv([probes.xgrpo(capability_weighted=True), probes.prp()])
     a2 = adv([probes.prp(), probes.xgrpo(capability_weighted=True)])
     np.testing.assert_allclose(a1, a2, rtol=1e-6)
-    hacpo = probes.pooled_row_advantages(rows.replace(pool_weighted=jnp.asarray(True)), view, "group", 1e-4)
+    hacpo = probes.pooled_row_advantages(rows, view, "group", 1e-4, capability_weighted=True)
     plain = probes.pooled_row_advantages(rows, view, "group", 1e-4)
     np.testing.assert_allclose(a1[:6], hacpo[:6], rtol=1e-6)           # HACPO survives the chain
     assert np.abs(np.asarray(hacpo[:6] - plain[:6])).max() > 1e-3      # ... and it matters here
     np.testing.assert_allclose(adv("xgrpo+prp")[:6], plain[:6], rtol=1e-6)
+
+
+def test_a_chain_pools_its_group_baselines_once(monkeypatch):
+    """xgrpo + prp (+ the worked-example hedge) read one pooled baseline: the pooled statistic is traced once per
+    chain (it was computed in every member's extend and advantages, with and without capability weights), the
+    advantages leave the rows with the baseline dropped, and HACPO asked by the last member still applies to all."""
+    from experiments.probes.hedge import hedge
+    from mrl_jax.probes import _pooling
+
+    rows, view = _pooled_setup()
+    cfg = GRPOConfig(num_generations=3, max_completion_length=2)
+    calls = []
+    real = _pooling.grpo.pooled_advantages_from_stats
+    monkeypatch.setattr(_pooling.grpo, "pooled_advantages_from_stats",
+                        lambda *a, **k: calls.append(k["capability_weighted"]) or real(*a, **k))
+    chain = probes.chain(probes.xgrpo(), probes.prp(), hedge(probes.RunOptions(), lam=0.5),
+                         probes.xgrpo(capability_weighted=True))
+    out, _ = objective.prepare(rows, view, KEY, chain, cfg, lambda r: jnp.zeros(r.completion_ids.shape))
+    assert calls == [True] and out.pooled_advantages is None
+    hacpo = probes.pooled_row_advantages(rows, view, capability_weighted=True)
+    np.testing.assert_allclose(out.advantages[:6], hacpo[:6], rtol=1e-6)   # xgrpo last: the pooled baseline
+    with pytest.raises(ValueError, match="success thresholds differ"):
+        probes.chain(probes.xgrpo(capability_weighted=True), probes.prp(options=probes.RunOptions(tau=0.5)))
 
 
 # ----------------------------------------------------------------------------- SGT normalisation

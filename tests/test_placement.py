@@ -1,7 +1,7 @@
 """``mrl train`` with MWRA end to end (issue 13): the plan from the config (fake devices, in process), and in
 subprocesses with forced CPU devices (tests/placement_worker.py): placement after round 0 and after a resume,
-a round under ``jax.transfer_guard("disallow")``, dispatch order, 8-vs-1-device equivalence, and restoring an
-8-device checkpoint onto 4 devices."""
+a round under ``jax.transfer_guard("disallow")``, dispatch order, samples and params independent of the device
+count (P dividing no data axis), and restoring an 8-device checkpoint onto 4 devices."""
 from __future__ import annotations
 
 import re
@@ -148,27 +148,17 @@ def test_second_rollout_dispatched_before_first_result_is_read(eight):
         assert s["time/update_dispatched"] <= s["time/update_read"] <= s["time/update_ready"]
 
 
-def test_8_devices_equal_1_device(eight):
-    _, r = eight
-    assert r["plan1_devices"] == [[0], [0]]
-    assert r["round0_rows"] == 2 and len(r["round0_metric_diffs"]) == 6
-    assert max(r["round0_metric_diffs"].values()) <= 1e-5, r["round0_metric_diffs"]
-    assert r["final_param_leaves"] > 0 and r["final_param_max_diff"] <= 1e-4
-
-
 @pytest.mark.slow
 def test_samples_do_not_depend_on_the_device_count(tmp_path):
-    """8 prompts on 6 devices (3 + 3) and 5 on 4 (2 + 2): P divides no policy's data axis (padded rows on every
-    mesh). Every round-0 sample of both policies (per-row rewards, logged completions) equals the 1-device
-    run's, the metrics agree and the final params stay within 1e-4 (the sharded update's reduction order)."""
-    r = _worker("invariance", tmp_path, 6, timeout=1500)   # four 2-round runs: 1.8 min here, 9 min on loaded cores
-    for case, prompts in (("6x8", 8), ("4x5", 5)):
-        c = r["cases"][case]
-        assert c["plans"]["one"] == [[0], [0]] and all(prompts % len(d) for d in c["plans"]["many"]), c["plans"]
-        assert c["group_rows"] == 2 * prompts * 4 and c["groups_equal"] and c["samples_equal"], case
-        assert max(c["round0_metric_diffs"].values()) <= 1e-5, (case, c["round0_metric_diffs"])
-        assert c["reward_sum"] > 0 and min(c["grad_norms"]) > 0   # the samples and the updates carry signal
-        assert c["final_param_max_diff"] <= 1e-4, (case, c["final_param_max_diff"])
+    """5 prompts on 6 devices (3 + 3): P divides no policy's data axis (padded rows on every mesh). Every round-0
+    sample of both policies (per-row rewards, logged completions) equals the 1-device run's, the metrics agree and
+    the final params after 2 rounds stay within 1e-4 (the sharded update's reduction order)."""
+    r = _worker("invariance", tmp_path, 6, timeout=1500)   # two 2-round runs
+    assert r["plans"]["one"] == [[0], [0]] and r["plans"]["many"] == [[0, 1, 2], [3, 4, 5]], r["plans"]
+    assert r["group_rows"] == 2 * 5 * 4 and r["groups_equal"] and r["samples_equal"]
+    assert len(r["round0_metric_diffs"]) >= 6 and max(r["round0_metric_diffs"].values()) <= 1e-5, r["round0_metric_diffs"]
+    assert r["reward_sum"] > 0 and min(r["grad_norms"]) > 0   # the samples and the updates carry signal
+    assert r["final_param_max_diff"] <= 1e-4, r["final_param_max_diff"]
 
 
 @pytest.mark.slow
@@ -260,8 +250,6 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     checkpoint and the resume, and exits with `mwra.LOST_EXIT_CODE`. Both resumed to 3 rounds equal an
     uninterrupted single-process 8-device run: the same records (no duplicate, none missing), final params
     within 1e-5."""
-    import numpy as np
-
     sys.path.insert(0, str(WORKER.parent))
     from placement_worker import by_path
 
@@ -310,7 +298,7 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
 
     (a, ra), (b, rb) = final(tmp_path / "mp"), final(tmp_path / "ref")
     assert ra == rb == 2 and a.keys() == b.keys() and len(a) > 0
-    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
+    assert support.max_difference([a[k] for k in a], [b[k] for k in a]) <= 1e-5
     assert (tmp_path / "mp" / "summary.json").exists()   # written by process 0 only
 
 

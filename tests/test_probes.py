@@ -131,7 +131,7 @@ def test_pooled_row_advantages_equal_grpo_pooled(flat, cw):
 @jax.jit
 def _pooled_check(batch, view, r, cw):
     rows = assemble_rows(batch)
-    got_cw = probes.pooled_row_advantages(rows.replace(pool_weighted=jnp.asarray(True)), view)
+    got_cw = probes.pooled_row_advantages(rows, view, capability_weighted=True)
     got = probes.pooled_row_advantages(rows, view)
     expect_cw = grpo.pooled_advantages(r, peer_weights=grpo.capability_weights(r, threshold=1.0))[0].reshape(-1)
     expect = grpo.pooled_advantages(r)[0].reshape(-1)

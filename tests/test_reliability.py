@@ -321,21 +321,27 @@ def test_nonfinite_update_is_skipped_then_run_stops_with_batch_saved(tmp_path):
     # the loss is NaN; policy 1 gets the ordinary signal. Probes 'none': nothing crosses between the two.
     specs = [RewardSpec(support.FaultyReward(huge_calls=(32, 0, 16), huge_from_call=32), name="huge",
                         timeout_s=0.5, high=3.4e38)]
+    # The run is cut after round 1 (one skip) and resumed: the skip count lives in the optimizer state, so the
+    # second skip in a row (round 2, after the resume) stops the run.
     out = tmp_path / "nan"
-    cfg = cfg_of(**base_overrides(max_skipped_updates=2, keep_checkpoints=4, **{"policies.0.probes": "none",
-                                                                               "policies.1.probes": "none"}))
+    over = dict(max_skipped_updates=2, keep_checkpoints=4, **{"policies.0.probes": "none", "policies.1.probes": "none"})
+    train(cfg_of(**base_overrides(**over, rounds=2)), out, reward_specs=specs, progress=False)
     with pytest.raises(TrainingStopped) as e:
-        train(cfg, out, reward_specs=specs, progress=False)
+        train(cfg_of(**base_overrides(**over)), out, resume=True, reward_specs=specs, progress=False)
     batch_file = out / "failed_batch_llama_bpe_round2.npz"
     msg = str(e.value)
     assert "llama_bpe" in msg and "gpt2_uni" not in msg and str(batch_file) in msg and "learning rate" in msg
     records = support.training_records(out)
-    skipped = {p: [r["skipped"] for r in records if r["policy"] == p] for p in POLICIES}
-    assert skipped == {"llama_bpe": [0.0, 1.0, 1.0], "gpt2_uni": [0.0, 0.0, 0.0]}
+    skipped = {p: [(r["skipped"], r["skipped_in_a_row"]) for r in records if r["policy"] == p] for p in POLICIES}
+    assert skipped == {"llama_bpe": [(0.0, 0.0), (1.0, 1.0), (1.0, 2.0)], "gpt2_uni": [(0.0, 0.0)] * 3}
     assert support.checkpoint_rounds(out) == [0, 1, 2]
     ck = {r: leaves_by_path(out, r) for r in (0, 1, 2)}
-    assert arrays_equal(policy_arrays(ck[0], 0), policy_arrays(ck[1], 0))  # params AND opt state unchanged
-    assert arrays_equal(policy_arrays(ck[0], 0), policy_arrays(ck[2], 0))
+    steady = lambda leaves: {k: v for k, v in leaves.items() if "finite" not in k}   # noqa: E731  (no counters)
+    in_a_row = [int(v) for r in (0, 1, 2) for k, v in policy_arrays(ck[r], 0).items() if "notfinite_count" in k
+                and "total" not in k]
+    assert in_a_row == [0, 1, 2]   # the optimizer state's count, checkpointed
+    assert arrays_equal(steady(policy_arrays(ck[0], 0)), steady(policy_arrays(ck[1], 0)))   # params, Adam unchanged
+    assert arrays_equal(steady(policy_arrays(ck[0], 0)), steady(policy_arrays(ck[2], 0)))
     assert not arrays_equal(policy_arrays(ck[0], 1), policy_arrays(ck[1], 1))  # the other policy trains on
     saved = np.load(batch_file)
     assert int(saved["round"]) == 2 and len(saved["prompts"]) == 4

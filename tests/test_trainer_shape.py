@@ -39,9 +39,14 @@ def _cfg(**overrides):
 
 
 def _stub(pol, skipped: float = 0.0):
-    """``pol`` with an update that leaves params as they are and reports ``skipped`` (nothing compiled)."""
-    return dataclasses.replace(pol, update=lambda p, o, r, b, v, k, s: (p, o, r, {"loss": jnp.zeros(()),
-                                                                                  "skipped": jnp.full((), skipped)}))
+    """``pol`` with an update that leaves params as they are and reports ``skipped``, counting the skips in its
+    optimizer state as the real update does (nothing compiled)."""
+    def update(p, o, r, b, v, k, s):
+        o = o._replace(notfinite_count=(o.notfinite_count + 1) * int(skipped > 0))
+        return p, o, r, {"loss": jnp.zeros(()), "skipped": jnp.full((), skipped),
+                         "skipped_in_a_row": o.notfinite_count.astype(jnp.float32)}
+
+    return dataclasses.replace(pol, update=update)
 
 
 @pytest.fixture(scope="module")

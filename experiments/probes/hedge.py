@@ -5,8 +5,8 @@
     A_hedge(y) = (1 - lam) * A_own(y) + lam * A_pool(y)        (own rows only; peer rows untouched)
 
 with A_own = (r - mean_own(x)) / (std_own(x) + eps), the policy's own group statistics, and A_pool the same
-with mean and std pooled over every policy's group for the prompt (``mrl_jax.probes.pooled_row_advantages``,
-what ``xgrpo`` trains on). lam = 0 is independent GRPO, lam = 1 is XGRPO; in between it hedges between the
+with mean and std pooled over every policy's group for the prompt (``rows.pooled_advantages``, what ``xgrpo``
+trains on: the probe declares its ``Pooling``, so a chain computes that baseline once for all its members). lam = 0 is independent GRPO, lam = 1 is XGRPO; in between it hedges between the
 policy's own baseline (unbiased for its own distribution, noisy at small G) and the population's (lower
 variance, biased toward what peers can do) -- a credibility-weighted baseline. The PG term is linear in the
 advantages at ratio 1, so the first-step loss and gradient are exactly (1 - lam) * none + lam * xgrpo.
@@ -23,18 +23,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mrl_jax import grpo
-from mrl_jax.probes import OWN, Probe, RunOptions, pooled_row_advantages
+from mrl_jax.probes import OWN, Pooling, Probe, RunOptions, with_pooled
 
 
 def hedge(options: RunOptions, lam: float = 0.5) -> Probe:
     """The hedged-baseline probe; ``options`` are the run's (advantage scale / eps, SEE threshold tau)."""
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"hedge: lam must be in [0, 1], got {lam}")
-    pool = (options.scale_rewards, options.reward_eps, options.tau)
+    pooling = Pooling(options.scale_rewards, options.reward_eps, options.tau)
 
     def hedged(rows, see_view, adv):
         """f32[R]: the hedged advantages (own rows), ``adv`` elsewhere."""
-        mixed = (1.0 - lam) * adv + lam * pooled_row_advantages(rows, see_view, *pool)
+        mixed = (1.0 - lam) * adv + lam * with_pooled(rows, see_view, pooling).pooled_advantages
         return jnp.where(rows.row_kind == OWN, mixed, adv)
 
     def extend(rows, see_view, key):
@@ -49,4 +49,4 @@ def hedge(options: RunOptions, lam: float = 0.5) -> Probe:
     def advantages(rewards, rows, see_view, adv):
         return hedged(rows, see_view, adv)
 
-    return Probe("hedge", extend, advantages, options=options)
+    return Probe("hedge", extend, advantages, options=options, pooling=pooling)

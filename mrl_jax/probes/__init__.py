@@ -24,12 +24,14 @@ a probe's extend activates them. See ``Rows`` for the fields. Constructors: ``no
 ``effective_sample_size``, ``compatibility_score``, ``policy_shaping``, ``sgt_rescue_loss``) are
 shared with the bandit lab.
 
-Modules: ``_weights`` (those helpers), ``_probe`` (the type, ``none``, ``chain``, ``RunOptions``), ``_kinds`` (the
-probes), ``_specs`` (the registry, spec strings, ``switch``).
+Modules: ``_weights`` (those helpers), ``_pooling`` (the pooled-group baseline, once per chain), ``_probe`` (the
+type, ``none``, ``chain``, ``RunOptions``), ``_kinds`` (the probes), ``_specs`` (the registry, spec strings,
+``switch``).
 """
 
 from mrl_jax.grpo import policy_shaping
-from mrl_jax.probes._kinds import PRP_LEVELS, SGT_GATES, SGT_NORMALIZE, pooled_row_advantages, prp, replay, sgt, xgrpo
+from mrl_jax.probes._kinds import PRP_LEVELS, SGT_GATES, SGT_NORMALIZE, prp, replay, sgt, xgrpo
+from mrl_jax.probes._pooling import Pooling, pooled_row_advantages, with_pooled
 from mrl_jax.probes._probe import Probe, RunOptions, chain, none
 from mrl_jax.probes._specs import REGISTRY, make_probe, switch
 from mrl_jax.probes._weights import (WEIGHT_MODES, compatibility_gate, compatibility_score, effective_sample_size,
@@ -38,8 +40,8 @@ from mrl_jax.rows import ARCHIVE, EMPTY, OWN, OWN_ARCHIVE, PEER, PER_ROW, Rows, 
 
 __all__ = [
     "ARCHIVE", "EMPTY", "OWN", "OWN_ARCHIVE", "PEER", "PER_ROW", "PRP_LEVELS", "REGISTRY", "SGT_GATES",
-    "SGT_NORMALIZE", "WEIGHT_MODES", "Probe", "Rows", "RunOptions", "chain", "chunk_gather", "chunk_sums", "compatibility_gate",
+    "SGT_NORMALIZE", "WEIGHT_MODES", "Pooling", "Probe", "Rows", "RunOptions", "chain", "chunk_gather", "chunk_sums", "compatibility_gate",
     "compatibility_score", "effective_sample_size", "importance_weights", "make_probe", "none", "peer_compatibility",
     "policy_shaping", "pooled_row_advantages", "prp", "replay", "sgt", "sgt_rescue_loss",
-    "switch", "weight_variance", "xgrpo",
+    "switch", "weight_variance", "with_pooled", "xgrpo",
 ]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mrl_jax import grpo
+from mrl_jax.probes._pooling import Pooling, with_pooled
 from mrl_jax.probes._probe import Probe, RunOptions, _id_advantages, _id_loss_terms, bind
 from mrl_jax.probes._weights import (WEIGHT_MODES, compatibility_gate, effective_sample_size, importance_weights,
                                      peer_compatibility, sgt_rescue_loss, weight_variance)
@@ -17,45 +18,30 @@ from mrl_jax.rows import ARCHIVE, OWN, OWN_ARCHIVE, PEER, Rows, chunk_gather, ch
 
 # ----------------------------------------------------------------------------- XGRPO / PRP advantages
 
-def pooled_row_advantages(rows: Rows, see_view, scale="group", eps: float = 1e-4, tau: float = 1.0) -> jax.Array:
-    """A_r = (r - b(x)) / (s(x) + eps) with b, s pooled over own rows and every peer's group stats for the
-    row's prompt (``grpo.pooled_advantages_from_stats``; equals grpo.pooled_advantages); HACPO capability
-    weights (successes: reward >= tau) where ``rows.pool_weighted`` (any pooling probe of the chain asked)."""
-    kw = dict(scale=scale, eps=eps, tau=tau)
-    args = (rows.rewards, rows.prompt_slot, rows.row_kind == OWN, see_view.peer_stats)
-    plain = grpo.pooled_advantages_from_stats(*args, capability_weighted=False, **kw)
-    weighted = grpo.pooled_advantages_from_stats(*args, capability_weighted=True, **kw)
-    return jnp.where(rows.pool_weighted, weighted, plain)
-
-
-def _pooling(rows: Rows, capability_weighted: bool) -> Rows:
-    return rows.replace(pool_weighted=rows.pool_weighted | capability_weighted) if capability_weighted else rows
-
-
 def xgrpo(scale=None, capability_weighted: bool = False, eps: Optional[float] = None, *,
           options: Optional[RunOptions] = None) -> Probe:
     """XGRPO: own samples' advantages use a baseline/scale pooled over all policies' groups for the prompt.
     Only own rows are trained. scale/eps: None = the run's grpo.scale_rewards / reward_eps (``options``; a
-    different explicit value is an error). capability_weighted (HACPO) turns on capability weights for every pooling
-    probe of the chain (``rows.pool_weighted``), so ``xgrpo(capability_weighted=True) + prp`` and
+    different explicit value is an error). capability_weighted (HACPO) turns on capability weights for the chain's
+    one pooled baseline (``Pooling``, computed once per chain), so ``xgrpo(capability_weighted=True) + prp`` and
     ``prp + xgrpo(capability_weighted=True)`` give the same advantages: pooling probes commute.
     Metrics: xgrpo/adv_on_peer_solved, xgrpo/peer_solved_frac."""
     options = bind("xgrpo", options, scale=scale, eps=eps)
-    pool = (options.scale_rewards, options.reward_eps, options.tau)
+    pooling = Pooling(options.scale_rewards, options.reward_eps, options.tau, capability_weighted)
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, *pool)
+        pooled = with_pooled(rows, see_view, pooling).pooled_advantages
         return jnp.where(rows.row_kind == OWN, pooled, adv)
 
     def extend(rows, see_view, key):
-        rows = _pooling(rows, capability_weighted)
-        pooled = pooled_row_advantages(rows, see_view, *pool)
+        rows = with_pooled(rows, see_view, pooling)
+        pooled = rows.pooled_advantages
         solved = jnp.sum(see_view.peer_stats[..., grpo.STAT_SUCCESSES], -1) > 0          # [P]
         sel = ((rows.row_kind == OWN) & solved[rows.prompt_slot]).astype(jnp.float32)
         return rows, {"xgrpo/adv_on_peer_solved": (jnp.sum(pooled * sel), jnp.sum(sel)),
                       "xgrpo/peer_solved_frac": (jnp.sum(solved.astype(jnp.float32)), jnp.float32(solved.shape[0]))}
 
-    return Probe("xgrpo", extend, advantages, _id_loss_terms, options=options)
+    return Probe("xgrpo", extend, advantages, _id_loss_terms, options=options, pooling=pooling)
 
 
 # ----------------------------------------------------------------------------- PRP
@@ -119,10 +105,10 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
     if mode == "shaping" and level != "chunk":
         raise ValueError("prp mode='shaping' (LUFFY) shapes per chunk; use level='chunk'")
     options = bind("prp", options, scale=scale, eps=eps)
-    pool = (options.scale_rewards, options.reward_eps, options.tau)
+    pooling = Pooling(options.scale_rewards, options.reward_eps, options.tau, capability_weighted)
 
     def extend(rows, see_view, key):
-        rows = _pooling(rows, capability_weighted)
+        rows = with_pooled(rows, see_view, pooling)
         cm = rows.completion_mask
         cand = ((rows.row_kind == PEER) & ~rows.truncated & (rows.source != rows.consumer)
                 & (jnp.sum(cm, -1) > 0))
@@ -146,7 +132,7 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         return rows, metrics
 
     def advantages(rewards, rows, see_view, adv):
-        pooled = pooled_row_advantages(rows, see_view, *pool)
+        pooled = with_pooled(rows, see_view, pooling).pooled_advantages
         use = (rows.row_kind == OWN) | ((rows.row_kind == PEER) & (rows.pg_row > 0))
         return jnp.where(use, pooled, adv)
 
@@ -167,7 +153,7 @@ def prp(truncate: float = 1.0, mode: str = "truncate", gamma: float = 0.1, compa
         return s[None], d[None], {}
 
     return Probe("prp", extend, advantages, shaping_term if mode == "shaping" else _id_loss_terms,
-                 needs_peers=True, needs_peer_logp=True, options=options)
+                 needs_peers=True, needs_peer_logp=True, options=options, pooling=pooling)
 
 
 # ----------------------------------------------------------------------------- SGT

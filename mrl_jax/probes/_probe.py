@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mrl_jax import grpo
+from mrl_jax.probes._pooling import Pooling, chain_pooling, with_pooled
 
 
 def _id_extend(rows, see_view, key):
@@ -78,6 +79,8 @@ class Probe(NamedTuple):
     needs_peer_logp: the objective fills old_logp of peer rows with a no-grad forward before ``extend``.
     Both are layout facts (static shapes and the pre-pass); behaviour is carried by the rows a probe writes.
     options: the run options the probe was built with (the learner checks them against its ``GRPOConfig``).
+    pooling: how the probe pools group baselines (``Pooling``), None when it does not: it then reads
+    ``rows.pooled_advantages`` (``with_pooled``), which a chain computes once for all its members.
     """
     name: str = "none"
     extend: Callable = _id_extend
@@ -86,6 +89,7 @@ class Probe(NamedTuple):
     needs_peers: bool = False
     needs_peer_logp: bool = False
     options: RunOptions = RunOptions()
+    pooling: Optional[Pooling] = None
 
 
 def none(*, options: Optional[RunOptions] = None) -> Probe:
@@ -95,7 +99,8 @@ def none(*, options: Optional[RunOptions] = None) -> Probe:
 
 def chain(*probes: Probe) -> Probe:
     """Compose probes: extends in order (key folded with the index; metrics merged), advantages composed
-    (each transforms the previous result), loss terms concatenated."""
+    (each transforms the previous result), loss terms concatenated. The members' pooled-group advantages are
+    computed once, first (``chain_pooling``: capability-weighted when any member asks)."""
     acting = tuple(p for p in probes if p.name != "none")
     if len({p.options._replace(tau=None) for p in acting}) > 1:   # each probe keeps its own tau
         raise ValueError(f"chain: the probes were built with different run options {[p.options for p in acting]}")
@@ -104,8 +109,12 @@ def chain(*probes: Probe) -> Probe:
     if len(probes) == 1:
         return probes[0]
 
+    pooling = chain_pooling([p.pooling for p in probes])
+
     def extend(rows, see_view, key):
         metrics = {}
+        if pooling is not None:
+            rows = with_pooled(rows, see_view, pooling)
         for i, p in enumerate(probes):
             rows, m = p.extend(rows, see_view, jax.random.fold_in(key, i))
             metrics = grpo.merge_metrics(metrics, m)
@@ -126,4 +135,4 @@ def chain(*probes: Probe) -> Probe:
         return jnp.concatenate(ss), jnp.concatenate(ds), ms
 
     return Probe("+".join(p.name for p in probes), extend, advantages, loss_terms,
-                 any(p.needs_peers for p in probes), any(p.needs_peer_logp for p in probes), options)
+                 any(p.needs_peers for p in probes), any(p.needs_peer_logp for p in probes), options, pooling)

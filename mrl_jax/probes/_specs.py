@@ -136,7 +136,10 @@ def switch(*choices, options: Optional[RunOptions] = None) -> Probe:
     def extend(rows, see_view, key):
         outs = [c.extend(rows, see_view, key) for c in choices]
         idx = rows.probe_index
-        upd = {f: pick(idx, [getattr(o, f) for o, _ in outs]) for f in PER_ROW + ("pool_weighted",)}
+        upd = {f: pick(idx, [getattr(o, f) for o, _ in outs]) for f in PER_ROW}
+        pooled = [o.pooled_advantages for o, _ in outs]
+        if any(x is not None for x in pooled):   # the acting chain's baseline (zeros where a chain does not pool)
+            upd["pooled_advantages"] = pick(idx, [jnp.zeros_like(rows.rewards) if x is None else x for x in pooled])
         return rows.replace(**upd), masked(idx, [m for _, m in outs])
 
     def advantages(rewards, rows, see_view, adv):

@@ -101,19 +101,17 @@ class LastInputs:
 
 
 class SkippedUpdatesStop:
-    """Stop condition: a policy skipped ``limit`` updates in a row (non-finite loss or gradient). Before raising
-    ``TrainingStopped`` it saves the round's checkpoint (``save``) and each such policy's last batch
+    """Stop condition: a policy skipped ``limit`` updates in a row (non-finite loss or gradient; the count is the
+    optimizer state's, ``skipped_in_a_row``, so it runs on across a resume). Before raising ``TrainingStopped`` it
+    saves the round's checkpoint (``save``) and each such policy's last batch
     (``failed_batch_<policy>_round<r>.npz`` in ``out``); wrap the policies with ``recorder`` for the batches."""
 
     def __init__(self, limit: int, save: CheckpointHook, out: Path):
         self.limit, self.save, self.out = limit, save, Path(out)
         self.recorder = LastInputs()
-        self.skipped: dict[str, int] = {}
 
     def __call__(self, info: RoundInfo) -> None:
-        for name, m in info.metrics.items():
-            self.skipped[name] = self.skipped.get(name, 0) + 1 if m.get("skipped", 0.0) > 0 else 0
-        bad = [n for n, c in self.skipped.items() if c >= self.limit]
+        bad = [n for n, m in info.metrics.items() if m.get("skipped_in_a_row", 0.0) >= self.limit]
         if not bad:
             return
         r = info.round
