@@ -396,7 +396,8 @@ class RunConfig:
              "(mrl_jax.tasks.reward_funcs)")
     reward_timeout_s: float = field(5.0, help="time limit of one reward call")
     max_reward_failures: int = field(200, help="stop when a reward function fails this many calls in a row")
-    max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row")
+    max_skipped_updates: int = field(5, help="stop when a policy skips this many non-finite updates in a row "
+                                             "(counted in its optimizer state: the count runs on across a resume)")
     dynamic_sampling: DynamicSamplingSpec = field(
         default_factory=DynamicSamplingSpec,
         help="DAPO's dynamic sampling (verl's algorithm.filter_groups): groups whose rewards are all equal leave "
