@@ -1,21 +1,31 @@
-"""No-regression A/B of our CPU figures against a git revision, in ONE process: ``bench_trl``'s GRPO step and
-``bench_rollout``'s sampler, this checkout vs ``--base``, timed alternately.
+"""The one A/B tool: this checkout against a git revision, in ONE process, timed alternately.
 
-    python benchmarks/ab.py --base 4b4674d [--quick] [--repeats 5] [--tolerance 0.05] [--out FILE]
+    python benchmarks/ab.py --base 4b4674d [--case trl,rollout,update,see_add] [--quick] [--repeats 5]
+                            [--tolerance 0.05] [--out FILE]
 
 The base revision's ``mrl_jax/`` and ``benchmarks/`` are extracted (``git archive``) to a temporary folder and
 imported beside this checkout's: each side's modules are swapped into ``sys.modules`` while that side runs, so
 both live in the same process (same allocator, same thread pools, same load) and keep their own compiled
-programs. The work is identical: the same assets (tokenizer, tiny Qwen2 / Llama weights saved by
-``transformers``), prompts and keys, built once by this checkout's benchmark code; each side runs its own
-library on them (``bench_trl._run_ours``: rollout + decode + reward + update per step; ``bench_rollout``: one
-``generate`` call of the fixed-length cases). The sides alternate (A B, then B A, ...) ``--repeats`` times and the
-figure of a side is its minimum (the least disturbed run). ``no_worse`` per figure: head <= base * (1 +
-tolerance). TRL and ``transformers.generate`` are not run: they do not change between revisions.
+programs (a change of models, kernels or cache layout compares as a whole). Each case is a ``Case``: its work is
+built once by this checkout's code (assets, prompts, keys, arrays), and each side runs its own library on it:
+
+- ``trl``: ``bench_trl._run_ours`` (rollout + decode + reward + update per GRPO step), seconds per step;
+- ``rollout``: one ``rollout.generate`` call of ``bench_rollout``'s fixed-length llama cases;
+- ``update``: ``learner.make_update_step`` on a Qwen2 (h 128, 4 layers, V 512), 8 prompts x 8 samples of 16 + 32
+  ragged tokens, probe ``none`` and probe ``sgt`` with 32 peer slots (one filled per prompt); the loss must match;
+- ``see_add``: ``see.add`` of 256 entries at the demo's SEE shape (capacity 2048), 10 % and 50 % successes; the
+  buffers after five adds must be identical.
+
+The sides alternate (A B, then B A, ...) ``--repeats`` times and a side's figure is its minimum (the least
+disturbed run). ``no_worse`` per figure: head <= base * (1 + tolerance); ``same_output``: the sides computed the
+same thing where a case can tell (loss, buffers, tokens). TRL and ``transformers.generate`` are not run: they do
+not change between revisions. Behaviour over whole runs (every config, the demo, the bandit lab) is
+``benchmarks/behaviour.py record`` in each tree, then ``compare``.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import subprocess
@@ -23,6 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,47 +78,43 @@ def extract(rev: str, dest: Path) -> Path:
     return dest
 
 
-def _trl_case(side: Side, assets: dict, shape_name: str, plan: dict) -> float:
-    """Seconds per GRPO step (min over the timed steps) of ``side``'s library on bench_trl's ``shape_name``."""
+class Case(NamedTuple):
+    """An A/B workload: ``prepare(head, root, quick) -> work`` (built once, by this checkout's code) and
+    ``measure(side, work) -> {figure: (seconds, output)}`` (one timed pass of ``side``'s library; ``output``: what
+    both sides must compute alike, or None)."""
+    prepare: Callable
+    measure: Callable
+
+
+def _digest(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(np.asarray(a)).tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- trl: bench_trl's GRPO step
+def _trl_prepare(head: Side, root: Path, quick: bool) -> dict:
+    with head.active():
+        bt = head.module("benchmarks.bench_trl")
+        tok, model_dir, _ = bt._build_assets(str(root))
+        return {"tok": tok, "model_dir": model_dir, "plan": {"warmup": 2, "steps": 3} if quick else
+                {"warmup": 3, "steps": 6}, "prompts": {n: bt._prompts(64, sh["prompt_tokens"], tok)
+                                                       for n, sh in bt.SHAPES.items()}}
+
+
+def _trl_measure(side: Side, work: dict) -> dict:
     with side.active():
         bt = side.module("benchmarks.bench_trl")
-        r = bt._run_ours(assets["tok"], assets["model_dir"], plan["warmup"], plan["steps"],
-                         bt.SHAPES[shape_name], assets["prompts"][shape_name])
-    return float(r["ours_s_per_step_min"])
+        return {f"trl_{n}": (float(bt._run_ours(work["tok"], work["model_dir"], work["plan"]["warmup"],
+                                                work["plan"]["steps"], bt.SHAPES[n], p)["ours_s_per_step_min"]), None)
+                for n, p in work["prompts"].items()}
 
 
-def _rollout_case(side: Side, case: dict, key_seed: int = 0) -> float:
-    """Seconds of one ``generate`` call (after a compile call) of ``side``'s sampler on a fixed-length case."""
-    with side.active():
-        import jax
-        from flax import nnx
-
-        models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.rollout")
-        if "params" not in case.setdefault(side.name, {}):
-            case[side.name]["params"] = nnx.split(models.from_pretrained(case["dir"]))
-        graphdef, params = case[side.name]["params"]
-        s, g = case["spec"], case["spec"].get("samples", 1)
-        cfg = rollout.SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=None, pad_id=0)
-        ids, mask = jax.numpy.asarray(case["ids"]), jax.numpy.asarray(case["mask"])
-        extra = {"num_samples": g} if g > 1 else {}
-
-        def call():
-            return jax.block_until_ready(rollout.generate(graphdef, params, ids, mask, jax.random.key(key_seed),
-                                                          cfg, **extra))
-
-        call()
-        t0 = time.perf_counter()
-        call()
-        return time.perf_counter() - t0
-
-
-def _assets(head: Side, root: Path, quick: bool) -> tuple[dict, dict]:
-    """bench_trl's tokenizer, model and prompts; bench_rollout's saved weights and prompts (head's code)."""
+# ---- rollout: bench_rollout's fixed-length llama cases
+def _rollout_prepare(head: Side, root: Path, quick: bool) -> dict:
     with head.active():
-        bt, br = head.module("benchmarks.bench_trl"), head.module("benchmarks.bench_rollout")
-        tok, model_dir, _ = bt._build_assets(str(root))
-        trl = {"tok": tok, "model_dir": model_dir,
-               "prompts": {n: bt._prompts(64, sh["prompt_tokens"], tok) for n, sh in bt.SHAPES.items()}}
+        br = head.module("benchmarks.bench_rollout")
         cases = {}
         for fam, name in br.PLAN[bool(quick)]:
             if fam != "llama":
@@ -115,31 +124,183 @@ def _assets(head: Side, root: Path, quick: bool) -> tuple[dict, dict]:
             br._hf_model(fam, spec).save_pretrained(d, safe_serialization=True)
             ids, mask = br._prompts(spec, spec["vocab"])
             cases[name] = {"spec": spec, "dir": str(d), "ids": ids, "mask": mask}
-    return trl, cases
+    return cases
 
 
-def run(base_rev: str, quick: bool = False, repeats: int = 5, tolerance: float = 0.05) -> dict:
-    plan = {"warmup": 2, "steps": 3} if quick else {"warmup": 3, "steps": 6}
+def _rollout_measure(side: Side, work: dict) -> dict:
+    out = {}
+    with side.active():
+        import jax
+        from flax import nnx
+
+        models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.rollout")
+        for name, case in work.items():
+            if side.name not in case:
+                case[side.name] = nnx.split(models.from_pretrained(case["dir"]))
+            graphdef, params = case[side.name]
+            s, g = case["spec"], case["spec"].get("samples", 1)
+            cfg = rollout.SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=None, pad_id=0)
+            ids, mask = jax.numpy.asarray(case["ids"]), jax.numpy.asarray(case["mask"])
+            extra = {"num_samples": g} if g > 1 else {}
+
+            def call():
+                return jax.block_until_ready(rollout.generate(graphdef, params, ids, mask, jax.random.key(0), cfg,
+                                                              **extra))
+
+            call()
+            t0 = time.perf_counter()
+            r = call()
+            out[f"rollout_{name}"] = (time.perf_counter() - t0, _digest([r.tokens, r.mask]))
+    return out
+
+
+# ---- update: the jitted update step, probe none and probe sgt with peer slots
+UPDATE_SHAPE = dict(P=8, G=8, Tp=16, Tc=32, V=512, K=4)
+
+
+def _update_prepare(head: Side, root: Path, quick: bool) -> dict:
+    P, G, Tp, Tc, V, K = (UPDATE_SHAPE[k] for k in ("P", "G", "Tp", "Tc", "V", "K"))
+    rs, n, S = np.random.RandomState(0), P * G, P * K
+    lens = rs.randint(Tc // 2, Tc + 1, n)
+    filled = np.zeros(S, bool)
+    filled[::K] = True                                            # one filled peer slot per prompt
+    pm = np.zeros((S, Tc), np.float32)
+    pm[filled, :20] = 1
+    return {"calls": 5 if quick else 20, "prompt_ids": rs.randint(3, V, (P, Tp)),
+            "completion_ids": rs.randint(3, V, (n, Tc)), "completion_mask": np.arange(Tc)[None] < lens[:, None],
+            "old_logp": rs.uniform(-7, -5, (n, Tc)), "rewards": rs.rand(n) < 0.3,
+            "peer_ids": rs.randint(3, V, (S, Tc)), "peer_mask": pm, "filled": filled}
+
+
+def _update_inputs(side: Side, w: dict):
+    """(graphdef, params, rows, {probe: view}) built by ``side``'s library from the shared arrays."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    P, G, Tp, Tc, V, K = (UPDATE_SHAPE[k] for k in ("P", "G", "Tp", "Tc", "V", "K"))
+    models, see, rows_lib = side.module("mrl_jax.models"), side.module("mrl_jax.see"), side.module("mrl_jax.rows")
+    graphdef, params = nnx.split(models.tiny_model("qwen2", V, hidden_size=128, num_layers=4, intermediate_size=384,
+                                                   num_heads=4, num_kv_heads=2))
+    n = P * G
+    rows = rows_lib.own_rows(
+        prompt_ids=jnp.asarray(w["prompt_ids"], jnp.int32), prompt_mask=jnp.ones((P, Tp), bool),
+        completion_ids=jnp.asarray(w["completion_ids"], jnp.int32),
+        completion_mask=jnp.asarray(w["completion_mask"], jnp.float32),
+        old_logp=jnp.asarray(w["old_logp"], jnp.float32), ref_logp=jnp.zeros((n, Tc)),
+        rewards=jnp.asarray(w["rewards"], jnp.float32), truncated=jnp.zeros((n,), bool))
+    f, pm = w["filled"], w["peer_mask"]
+    stats = np.zeros((P, 2, 4), np.float32)
+    stats[:, 1] = [G, G / 2, G / 2, G / 2]
+    sgt_view = see.empty_view(P, K, Tc, Tc, 2).replace(
+        completion_ids=jnp.asarray(w["peer_ids"], jnp.int32), completion_mask=jnp.asarray(pm),
+        row_kind=jnp.asarray(np.where(f, see.PEER, see.EMPTY), jnp.int32),
+        dst_chunk=jnp.asarray(np.where(pm > 0, np.arange(Tc)[None], -1), jnp.int32),
+        chunk_valid=jnp.asarray(pm > 0), src_chunk_logp=jnp.asarray(pm * -0.1),
+        rewards=jnp.asarray(f, jnp.float32), source=jnp.asarray(np.where(f, 1, -1), jnp.int32),
+        peer_stats=jnp.asarray(stats))
+    return graphdef, params, rows, {"none": see.empty_view(P, 1, Tc, 1, 1), "sgt": sgt_view}
+
+
+def _update_measure(side: Side, w: dict) -> dict:
+    out = {}
+    with side.active():
+        import jax
+
+        learner = side.module("mrl_jax.learner")
+        if side.name not in w:
+            graphdef, params, rows, views = _update_inputs(side, w)
+            cfg = learner.GRPOConfig(num_generations=UPDATE_SHAPE["G"], max_completion_length=UPDATE_SHAPE["Tc"],
+                                     beta=0.0, loss_type="grpo")
+            opt = learner.make_optimizer(1e-6)
+            w[side.name] = {p: (learner.make_update_step(graphdef, opt, p, cfg, donate=False), params,
+                                opt.init(params), rows, v) for p, v in views.items()}
+        for probe, (update, params, state, rows, view) in w[side.name].items():
+            call = lambda: jax.block_until_ready(update(params, state, rows, view, jax.random.PRNGKey(0)))  # noqa: E731
+            r = call()   # the compile, once per side (cached above for the other repeats)
+            times = []
+            for _ in range(w["calls"]):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            out[f"update_{probe}"] = (min(times), round(float(r[2]["loss"]), 6))
+    return out
+
+
+# ---- see_add: SEE insertion at the demo's shape
+def _see_prepare(head: Side, root: Path, quick: bool) -> dict:
+    rng, M = np.random.default_rng(0), 256
+
+    def draw(succ):
+        texts = ["".join(rng.choice(list("0123456789+= "), rng.integers(1, 20))) for _ in range(M)]
+        ids = [list(rng.integers(0, 500, len(t))) for t in texts]
+        return texts, rng.integers(0, 64, M), (rng.random(M) < succ).astype(np.float32), ids
+
+    return {"calls": 5 if quick else 20, "draws": {succ: [draw(succ) for _ in range(6)] for succ in (0.1, 0.5)}}
+
+
+def _see_measure(side: Side, w: dict) -> dict:
+    out = {}
+    with side.active():
+        import jax
+
+        see = side.module("mrl_jax.see")
+
+        def experience(rnd, data):
+            texts, pids, rewards, ids = data
+            return see.make_experience(texts, pids, 0, rewards, src_ids=ids,
+                                       src_logp=[np.zeros(len(i), np.float32) for i in ids], round=rnd, max_bytes=64,
+                                       max_src_tokens=32)
+
+        for succ, draws in w["draws"].items():
+            key = (side.name, succ)
+            if key not in w:
+                add = jax.jit(see.add)
+                buf, _ = add(see.init(2048, 64, 32, 2, 64, per_prompt_cap=16, tau=1.0), experience(0, draws[0]))
+                w[key] = (add, jax.block_until_ready(buf), [experience(r, d) for r, d in enumerate(draws)])
+            add, buf, exps = w[key]
+            state, infos = buf, []
+            for e in exps[1:]:
+                state, info = add(state, e)
+                infos.append(sorted((k, int(v)) for k, v in info.items()))
+            times = []
+            for i in range(w["calls"]):
+                t0 = time.perf_counter()
+                jax.block_until_ready(add(buf, exps[1 + i % 5]))
+                times.append(time.perf_counter() - t0)
+            out[f"see_add_{int(succ * 100)}pct_successes"] = (min(times), _digest(jax.tree.leaves(state)) + str(infos))
+    return out
+
+
+CASES = {"trl": Case(_trl_prepare, _trl_measure), "rollout": Case(_rollout_prepare, _rollout_measure),
+         "update": Case(_update_prepare, _update_measure), "see_add": Case(_see_prepare, _see_measure)}
+
+
+def run(base_rev: str, cases=("trl", "rollout"), quick: bool = False, repeats: int = 5,
+        tolerance: float = 0.05) -> dict:
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"ab: unknown --case {unknown[0]!r}; choose from {', '.join(CASES)}")
+    figures: dict = {}
     with tempfile.TemporaryDirectory(prefix="ab_") as tmp:
         tmp = Path(tmp)
         head, base = Side("head", REPO), Side("base", extract(base_rev, tmp / "base"))
-        trl, cases = _assets(head, tmp, quick)
-        figures = {f"trl_{n}": {"head": [], "base": []} for n in trl["prompts"]}
-        figures.update({f"rollout_{n}": {"head": [], "base": []} for n in cases})
+        work = {c: CASES[c].prepare(head, tmp, quick) for c in cases}
         for rep in range(repeats):
-            order = (head, base) if rep % 2 == 0 else (base, head)
-            for side in order:
-                for n in trl["prompts"]:
-                    figures[f"trl_{n}"][side.name].append(_trl_case(side, trl, n, plan))
-                for n, case in cases.items():
-                    figures[f"rollout_{n}"][side.name].append(_rollout_case(side, case))
-    out = {"benchmark": "ab", "base": base_rev, "head": _head_rev(), "quick": quick, "repeats": repeats,
-           "tolerance": tolerance, "figures": {}}
+            for side in ((head, base) if rep % 2 == 0 else (base, head)):
+                for c in cases:
+                    for name, (seconds, output) in CASES[c].measure(side, work[c]).items():
+                        f = figures.setdefault(name, {"head": [], "base": [], "out": {}})
+                        f[side.name].append(seconds)
+                        f["out"][side.name] = output
+    out = {"benchmark": "ab", "base": base_rev, "head": _head_rev(), "cases": list(cases), "quick": quick,
+           "repeats": repeats, "tolerance": tolerance, "figures": {}}
     for name, f in figures.items():
         h, b = min(f["head"]), min(f["base"])
+        same = None if f["out"].get("head") is None else f["out"]["head"] == f["out"].get("base")
         out["figures"][name] = {"head_s": h, "base_s": b, "head_over_base": h / b, "no_worse": h <= b * (1 + tolerance),
-                                "head_all": f["head"], "base_all": f["base"]}
+                                "same_output": same, "head_all": f["head"], "base_all": f["base"]}
     out["no_worse"] = all(f["no_worse"] for f in out["figures"].values())
+    out["same_output"] = all(f["same_output"] is not False for f in out["figures"].values())
     return out
 
 
@@ -152,10 +313,11 @@ def _head_rev() -> str:
 
 def table(r: dict) -> str:
     lines = [f"A/B head {r['head']} vs base {r['base']} (min of {r['repeats']} alternating runs, one process)",
-             "| figure | head s | base s | head / base | no worse |", "|---|---|---|---|---|"]
+             "| figure | head s | base s | head / base | no worse | same output |", "|---|---|---|---|---|---|"]
     for name, f in r["figures"].items():
+        same = "–" if f["same_output"] is None else f["same_output"]
         lines.append(f"| {name} | {f['head_s']:.4f} | {f['base_s']:.4f} | {f['head_over_base']:.3f} | "
-                     f"{f['no_worse']} |")
+                     f"{f['no_worse']} | {same} |")
     return "\n".join(lines)
 
 
@@ -165,18 +327,19 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision to compare with (e.g. 4b4674d)")
+    ap.add_argument("--case", default="trl,rollout", help=f"comma-separated cases: {', '.join(CASES)}")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    r = run(args.base, args.quick, args.repeats, args.tolerance)
+    r = run(args.base, args.case.split(","), args.quick, args.repeats, args.tolerance)
     print(table(r), file=sys.stderr)
     text = json.dumps(r, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0 if r["no_worse"] else 1
+    return 0 if r["no_worse"] and r["same_output"] else 1
 
 
 if __name__ == "__main__":
