@@ -19,8 +19,11 @@ built once by this checkout's code (assets, prompts, keys, arrays), and each sid
 The sides alternate (A B, then B A, ...) ``--repeats`` times and a side's figure is its minimum (the least
 disturbed run). ``no_worse`` per figure: head <= base * (1 + tolerance); ``same_output``: the sides computed the
 same thing where a case can tell (loss, buffers, tokens). TRL and ``transformers.generate`` are not run: they do
-not change between revisions. Behaviour over whole runs (every config, the demo, the bandit lab) is
-``benchmarks/behaviour.py record`` in each tree, then ``compare``.
+not change between revisions.
+
+``--case behaviour`` compares whole runs instead (``behaviour.py``): every config of ``experiments/configs`` for 3
+rounds, ``mrl demo --quick`` and ``mrl bandit --quick``, recorded by each side's library in its own processes, then
+every record, summary and checkpoint leaf compared (``--rtol``, default 0: bit for bit; ``--only`` a subset).
 """
 from __future__ import annotations
 
@@ -69,9 +72,9 @@ class Side:
         return mod
 
 
-def extract(rev: str, dest: Path) -> Path:
-    """``rev``'s mrl_jax/ and benchmarks/ under ``dest`` (git archive of this repository)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "mrl_jax", "benchmarks"], check=True,
+def extract(rev: str, dest: Path, paths=ROOTS) -> Path:
+    """``rev``'s ``paths`` (mrl_jax/ and benchmarks/) under ``dest`` (git archive of this repository)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, *paths], check=True,
                              capture_output=True).stdout
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
@@ -304,6 +307,22 @@ def run(base_rev: str, cases=("trl", "rollout"), quick: bool = False, repeats: i
     return out
 
 
+def behaviour(base_rev: str, records: Path, only=None, rtol: float = 0.0) -> dict:
+    """Whole runs of both sides (``behaviour.record``: every config for 3 rounds, the demo, the bandit lab; each
+    run in its own processes, on its own tree's library) and their differences beyond ``rtol``
+    (``behaviour.compare``): ``{"base", "head", "rtol", "runs": {run: [differences]}, "same"}``."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import behaviour as record_lib
+
+    with tempfile.TemporaryDirectory(prefix="ab_") as tmp:
+        base_root = extract(base_rev, Path(tmp) / "base", ROOTS + ("experiments",))
+        record_lib.record(records / "base", base_root, only)
+        record_lib.record(records / "head", REPO, only)
+    runs = record_lib.compare(records / "base", records / "head", rtol)
+    return {"benchmark": "ab_behaviour", "base": base_rev, "head": _head_rev(), "rtol": rtol, "runs": runs,
+            "same": not any(runs.values())}
+
+
 def _head_rev() -> str:
     r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "mrl_jax", "benchmarks"],
@@ -327,12 +346,28 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision to compare with (e.g. 4b4674d)")
-    ap.add_argument("--case", default="trl,rollout", help=f"comma-separated cases: {', '.join(CASES)}")
+    ap.add_argument("--case", default="trl,rollout", help=f"comma-separated timed cases ({', '.join(CASES)}), or "
+                    "behaviour: whole runs of both sides compared value by value")
+    ap.add_argument("--only", nargs="*", default=None, help="behaviour: config stems, demo, bandit (default: all)")
+    ap.add_argument("--rtol", type=float, default=0.0, help="behaviour: relative tolerance (default 0: bit for bit)")
+    ap.add_argument("--records", default=None, help="behaviour: keep both recordings here (default: a temp dir)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.case == "behaviour":
+        with tempfile.TemporaryDirectory(prefix="ab_records_") as tmp:
+            r = behaviour(args.base, Path(args.records or tmp).resolve(), args.only, args.rtol)
+        for name, found in r["runs"].items():
+            print(f"{name}: {'same' if not found else f'{len(found)} differences'}", file=sys.stderr)
+            for line in found[:20]:
+                print("   ", line, file=sys.stderr)
+        text = json.dumps(r, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0 if r["same"] else 1
     r = run(args.base, args.case.split(","), args.quick, args.repeats, args.tolerance)
     print(table(r), file=sys.stderr)
     text = json.dumps(r, indent=2)

@@ -1,19 +1,18 @@
-"""Record a code revision's behaviour and compare two recordings: the evidence a refactor needs.
+"""Whole-run behaviour of a tree, and the differences between two recordings: the evidence a refactor needs.
+Used by ``ab.py --base REV --case behaviour`` (this checkout against a revision):
 
-    python benchmarks/behaviour.py record OUT      # every experiments/configs run (3 rounds), demo seed 0, bandit
-    python benchmarks/behaviour.py compare A B     # the same to rtol 1e-6? names every record / array that moved
+    python benchmarks/ab.py --base REV --case behaviour [--only tiny_two_policy demo] [--rtol 0] [--records DIR]
 
-``record`` runs, with the interpreter and ``PYTHONPATH`` it is given (so a checkout of another revision records
-its own behaviour): each YAML of ``experiments/configs/`` except ``real_checkpoints.yaml`` (it needs downloaded
-checkpoints) for 3 rounds with a checkpoint and a held-out eval at round 3 (``families.yaml`` on the tiny
-Hugging Face directories ``experiments/family_models.py`` writes), ``mrl demo --quick`` (its first seed) and
-``mrl bandit --quick``. ``compare`` reads every metrics / samples / groups record, every leaf of each run's
-final checkpoint and both summaries, and reports each value whose relative difference exceeds ``--rtol``.
+``record(out, root)`` runs ``root``'s library (``PYTHONPATH=root``, each run in its own process): each YAML of
+``root/experiments/configs/`` except ``real_checkpoints.yaml`` (it needs downloaded checkpoints) for 3 rounds with a
+checkpoint and a held-out eval at round 3 (``families.yaml`` on the tiny Hugging Face directories
+``experiments/family_models.py`` writes), ``mrl demo --quick`` (its first seed) and ``mrl bandit --quick``.
+``compare`` reads every metrics / samples / groups record, every leaf of each run's final checkpoint and both
+summaries, and reports each value whose relative difference exceeds ``rtol``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,8 +30,14 @@ SKIPPED_CONFIGS = ("real_checkpoints.yaml",)
 TIME_KEYS = ("time", "wall", "_s", "per_s", "seconds", "timestamp", "compile")
 
 
-def _mrl(*args: str, cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "mrl_jax.cli", *args], cwd=cwd, check=True)
+def _env(root: Path) -> dict:
+    """This environment with ``root`` first on ``PYTHONPATH``: a child process imports that tree's ``mrl_jax``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+
+
+def _mrl(*args: str, cwd: Path, root: Path) -> None:
+    subprocess.run([sys.executable, "-m", "mrl_jax.cli", *args], cwd=cwd, env=_env(root), check=True,
+                   stdout=sys.stderr)   # stdout is the report's
 
 
 def _three_rounds(src: Path, dst: Path) -> Path:
@@ -42,23 +47,23 @@ def _three_rounds(src: Path, dst: Path) -> Path:
     return dst
 
 
-def record(out: Path, only: list[str] | None = None) -> None:
-    """Write ``out/<config>/`` run directories, ``out/demo/`` and ``out/bandit/``."""
+def record(out: Path, root: Path = ROOT, only: list[str] | None = None) -> None:
+    """Write ``out/<config>/`` run directories, ``out/demo/`` and ``out/bandit/`` of the tree at ``root``."""
     out.mkdir(parents=True, exist_ok=True)
-    configs = sorted(p for p in (ROOT / "experiments" / "configs").glob("*.yaml") if p.name not in SKIPPED_CONFIGS)
+    configs = sorted(p for p in (root / "experiments" / "configs").glob("*.yaml") if p.name not in SKIPPED_CONFIGS)
     for src in configs:
         name = src.stem
         if only and name not in only:
             continue
         if name == "families" and not (out / "runs" / "family_models").exists():
-            subprocess.run([sys.executable, str(ROOT / "experiments" / "family_models.py"), "runs/family_models"],
-                           cwd=out, check=True)
+            subprocess.run([sys.executable, str(root / "experiments" / "family_models.py"), "runs/family_models"],
+                           cwd=out, env=_env(root), check=True, stdout=sys.stderr)
         cfg = _three_rounds(src, out / f"{name}.yaml")
-        _mrl("train", "--config", str(cfg), "--out", str(out / name), cwd=out)
+        _mrl("train", "--config", str(cfg), "--out", str(out / name), cwd=out, root=root)
     if not only or "demo" in only:
-        _mrl("demo", "--quick", "--out", str(out / "demo"), cwd=out)
+        _mrl("demo", "--quick", "--out", str(out / "demo"), cwd=out, root=root)
     if not only or "bandit" in only:
-        _mrl("bandit", "--quick", "--out", str(out / "bandit"), cwd=out)
+        _mrl("bandit", "--quick", "--out", str(out / "bandit"), cwd=out, root=root)
 
 
 def _is_time(key: str) -> bool:
@@ -119,29 +124,3 @@ def compare(a: Path, b: Path, rtol: float = 1e-6) -> dict:
                     found.append(f"checkpoint{p}: integers differ")
         report[run] = found
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="verb", required=True)
-    r = sub.add_parser("record")
-    r.add_argument("out", type=Path)
-    r.add_argument("--only", nargs="*", help="config stems, demo, bandit")
-    c = sub.add_parser("compare")
-    c.add_argument("a", type=Path)
-    c.add_argument("b", type=Path)
-    c.add_argument("--rtol", type=float, default=1e-6)
-    args = ap.parse_args(argv)
-    if args.verb == "record":
-        record(args.out.resolve(), args.only)
-        return 0
-    report = compare(args.a, args.b, args.rtol)
-    for run, found in report.items():
-        print(f"{run}: {'same' if not found else f'{len(found)} differences'}")
-        for line in found[:20]:
-            print("   ", line)
-    return 1 if any(report.values()) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
