@@ -1,6 +1,6 @@
 """The one A/B tool: this checkout against a git revision, in ONE process, timed alternately.
 
-    python benchmarks/ab.py --base 4b4674d [--case trl,rollout,update,see_add] [--quick] [--repeats 5]
+    python benchmarks/ab.py --base 4b4674d [--case trl,rollout,update,see_add,round] [--quick] [--repeats 5]
                             [--tolerance 0.05] [--out FILE]
 
 The base revision's ``mrl_jax/`` and ``benchmarks/`` are extracted (``git archive``) to a temporary folder and
@@ -14,7 +14,10 @@ built once by this checkout's code (assets, prompts, keys, arrays), and each sid
 - ``update``: ``learner.make_update_step`` on a Qwen2 (h 128, 4 layers, V 512), 8 prompts x 8 samples of 16 + 32
   ragged tokens, probe ``none`` and probe ``sgt`` with 32 peer slots (one filled per prompt); the loss must match;
 - ``see_add``: ``see.add`` of 256 entries at the demo's SEE shape (capacity 2048), 10 % and 50 % successes; the
-  buffers after five adds must be identical.
+  buffers after five adds must be identical;
+- ``round``: the demo's round by phase (two policies after 150 SFT steps, 32 prompts x 8, probe ``sgt+replay``):
+  median seconds per phase over 10 rounds (3 with ``--quick``) of each side's own run, which trains on between
+  passes.
 
 The sides alternate (A B, then B A, ...) ``--repeats`` times and a side's figure is its minimum (the least
 disturbed run). ``no_worse`` per figure: head <= base * (1 + tolerance); ``same_output``: the sides computed the
@@ -28,6 +31,7 @@ every record, summary and checkpoint leaf compared (``--rtol``, default 0: bit f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -84,9 +88,10 @@ def extract(rev: str, dest: Path, paths=ROOTS) -> Path:
 class Case(NamedTuple):
     """An A/B workload: ``prepare(head, root, quick) -> work`` (built once, by this checkout's code) and
     ``measure(side, work) -> {figure: (seconds, output)}`` (one timed pass of ``side``'s library; ``output``: what
-    both sides must compute alike, or None)."""
+    both sides must compute alike, or None); ``close(work)`` releases what the passes kept open."""
     prepare: Callable
     measure: Callable
+    close: Callable = lambda work: None
 
 
 def _digest(arrays) -> str:
@@ -274,8 +279,36 @@ def _see_measure(side: Side, w: dict) -> dict:
     return out
 
 
+# ---- round: the demo's round split by phase (two policies after 150 SFT steps, 32 prompts x 8)
+def _round_prepare(head: Side, root: Path, quick: bool) -> dict:
+    return {"probe": "sgt+replay", "rounds": 3 if quick else 10, "stack": contextlib.ExitStack()}
+
+
+def _round_measure(side: Side, w: dict) -> dict:
+    """Median seconds per phase over ``rounds`` more rounds of ``side``'s trainer (each side keeps training its own
+    run between passes; its first two rounds, with the compiles, are not timed)."""
+    import statistics
+
+    with side.active():
+        if side.name not in w:
+            demo, tasks = side.module("mrl_jax.demo"), side.module("mrl_jax.tasks")
+            loop, run_lib = side.module("mrl_jax.trainer.loop"), side.module("mrl_jax.trainer.run")
+            s = demo.DemoSettings.make(True, 1)
+            run = run_lib.Run(demo.demo_config(w["probe"], dataclasses.replace(s, sft_steps=150, rounds=10_000)))
+            scorer = w["stack"].enter_context(tasks.RewardScorer([tasks.task_reward(run.task)]))
+            w[side.name] = (run.policies[0].name, loop.Trainer(run, scorer).rounds(run.initial_state()))
+            for _ in range(2):
+                next(w[side.name][1])
+        name, rounds = w[side.name]
+        rows = [next(rounds).metrics[name] for _ in range(w["rounds"])]
+    phases = [k[5:] for k in rows[-1] if k.startswith("time/") and not k.split("/")[1].startswith(("rollout_", "update_"))]
+    med = {ph: statistics.median(r.get(f"time/{ph}", 0.0) for r in rows) for ph in phases}
+    return {**{f"round_{ph}": (v, None) for ph, v in med.items()}, "round_total": (sum(med.values()), None)}
+
+
 CASES = {"trl": Case(_trl_prepare, _trl_measure), "rollout": Case(_rollout_prepare, _rollout_measure),
-         "update": Case(_update_prepare, _update_measure), "see_add": Case(_see_prepare, _see_measure)}
+         "update": Case(_update_prepare, _update_measure), "see_add": Case(_see_prepare, _see_measure),
+         "round": Case(_round_prepare, _round_measure, lambda w: w["stack"].close())}
 
 
 def run(base_rev: str, cases=("trl", "rollout"), quick: bool = False, repeats: int = 5,
@@ -288,13 +321,17 @@ def run(base_rev: str, cases=("trl", "rollout"), quick: bool = False, repeats: i
         tmp = Path(tmp)
         head, base = Side("head", REPO), Side("base", extract(base_rev, tmp / "base"))
         work = {c: CASES[c].prepare(head, tmp, quick) for c in cases}
-        for rep in range(repeats):
-            for side in ((head, base) if rep % 2 == 0 else (base, head)):
-                for c in cases:
-                    for name, (seconds, output) in CASES[c].measure(side, work[c]).items():
-                        f = figures.setdefault(name, {"head": [], "base": [], "out": {}})
-                        f[side.name].append(seconds)
-                        f["out"][side.name] = output
+        try:
+            for rep in range(repeats):
+                for side in ((head, base) if rep % 2 == 0 else (base, head)):
+                    for c in cases:
+                        for name, (seconds, output) in CASES[c].measure(side, work[c]).items():
+                            f = figures.setdefault(name, {"head": [], "base": [], "out": {}})
+                            f[side.name].append(seconds)
+                            f["out"][side.name] = output
+        finally:
+            for c in cases:
+                CASES[c].close(work[c])
     out = {"benchmark": "ab", "base": base_rev, "head": _head_rev(), "cases": list(cases), "quick": quick,
            "repeats": repeats, "tolerance": tolerance, "figures": {}}
     for name, f in figures.items():
