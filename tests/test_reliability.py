@@ -348,6 +348,37 @@ def test_nonfinite_update_is_skipped_then_run_stops_with_batch_saved(tmp_path):
     assert np.all(saved["batch.rewards"] >= 1e38) and saved["batch.completion_ids"].shape == (16, 6)
 
 
+def test_a_checkpoint_from_before_the_skip_counter_resumes_with_zero_counts(tmp_path):
+    """A checkpoint whose optimizer states are the inner ones (written before the skip counter moved into the
+    optimizer state) restores onto today's run: the same arrays, zero counts, placed (it was a config mismatch)."""
+    from mrl_jax.trainer.loop import restore_state
+
+    run = Run(cfg_of(**base_overrides()))
+    state = run.initial_state()
+    ckpt = RunCheckpointer(tmp_path / "old")
+    try:
+        ckpt.save(3, state.replace(policies=tuple(p.replace(opt_state=p.opt_state.inner_state)
+                                                  for p in state.policies)), {"round": 3})
+        restored, meta = restore_state(run, ckpt)
+    finally:
+        ckpt.close()
+    assert meta["round"] == 3
+    for new, old in zip(restored.policies, state.policies):
+        assert int(new.opt_state.notfinite_count) == 0 == int(new.opt_state.total_notfinite)
+        assert bool(new.opt_state.last_finite)
+        assert arrays_equal(dict(enumerate(jax.tree.leaves((new.params, new.opt_state.inner_state)))),
+                            dict(enumerate(jax.tree.leaves((old.params, old.opt_state.inner_state)))))
+    assert restored.policies[0].params is not None and isinstance(jax.tree.leaves(restored.policies[0].opt_state)[0],
+                                                                  jax.Array)   # placed, not host values
+    other = RunCheckpointer(tmp_path / "other")   # a checkpoint of another config still names the mismatch
+    try:
+        other.save(0, {"w": np.zeros(3)}, {"round": 0})
+        with pytest.raises(CheckpointError, match="does not match this run's config|holds"):
+            restore_state(run, other)
+    finally:
+        other.close()
+
+
 # ------------------------------------------------------------------------------------- bad configs
 def write_yaml(tmp_path, data, name="cfg.yaml") -> Path:
     path = tmp_path / name

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+import optax
 
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
@@ -199,13 +200,37 @@ def _resume_round(ckpt: RunCheckpointer, out: Path, cfg: RunConfig, resume: bool
 
 
 def _start(run: Run, ckpt: RunCheckpointer, out: Path, latest: int | None) -> tuple[RunState, int]:
-    """``(state, first round)``: ``run.initial_state()`` for a new run, else the checkpoint restored onto the
-    state template (several processes: onto the host, then placed -- orbax restores no process-local array)."""
+    """``(state, first round)``: ``run.initial_state()`` for a new run, else the latest checkpoint restored
+    (`restore_state`)."""
     if latest is None:
         return run.initial_state(), 0
+    state, meta = restore_state(run, ckpt)
+    return state, int(meta["round"]) + 1
+
+
+def restore_state(run: Run, ckpt: RunCheckpointer) -> tuple[RunState, dict]:
+    """``(state, meta)`` of the latest checkpoint, restored onto ``run``'s state template (several processes: onto
+    the host -- orbax restores no process-local array) and placed. A checkpoint written before the optimizer state
+    counted skipped updates (its optimizer states are the inner ones) is restored onto that layout and given zero
+    counts, so a run resumes across the upgrade."""
+    onto = (lambda t: t) if jax.process_count() == 1 else host_template
     template = run.state_template()
-    state, meta = ckpt.restore(template if jax.process_count() == 1 else host_template(template))
-    return run.place(state), int(meta["round"]) + 1
+    try:
+        state, meta = ckpt.restore(onto(template))
+    except CheckpointError as error:
+        if not all(isinstance(p.opt_state, optax.ApplyIfFiniteState) for p in template.policies):
+            raise
+        uncounted = template.replace(policies=tuple(p.replace(opt_state=p.opt_state.inner_state)
+                                                    for p in template.policies))
+        try:
+            state, meta = ckpt.restore(onto(uncounted))
+        except CheckpointError:
+            raise error from None
+        zero = np.zeros((), np.int32)
+        state = state.replace(policies=tuple(p.replace(opt_state=optax.ApplyIfFiniteState(
+            notfinite_count=zero, last_finite=np.asarray(True), total_notfinite=zero, inner_state=p.opt_state))
+            for p in state.policies))
+    return run.place(state), meta
 
 
 def _write_plan(out: Path, run: Run, progress: bool) -> None:
@@ -416,8 +441,7 @@ def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temp
             raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet (one is written every "
                                   "checkpoint_every rounds); evaluate once the run has written one")
         run = Run(cfg)
-        state, meta = ckpt.restore(run.state_template())
-        state = run.place(state)
+        state, meta = restore_state(run, ckpt)
     finally:
         ckpt.close()
     res = run.evaluate(state, cfg.eval_prompts, samples=samples, temperature=temperature)
