@@ -178,8 +178,8 @@ def make_update_step(graphdef, optimizer: optax.GradientTransformation, probe=No
     optimizer: one whose state counts skipped updates (``skip_non_finite(...)``; ``make_optimizer``'s is);
     micro_batch_size: rows per micro-batch (0 = all rows in one); rows are padded up to a multiple.
     Params and opt_state are donated (donate=True): do not reuse the arrays passed in.
-    Metrics: loss, pg_loss, kl, entropy, clip_ratio/*, ratio_mean, grad_norm, skipped, skipped_in_a_row, reward_mean,
-    reward_std, frac_reward_zero_std, adv_abs_mean, num_tokens, pg_rows, plus the probes' figures
+    Metrics: loss, pg_loss, kl, entropy, clip_ratio/*, ratio_mean, grad_norm, skipped, skipped_in_a_row,
+    reward_mean, reward_std, frac_reward_zero_std, adv_abs_mean, num_tokens, pg_rows, plus the probes' figures
     (prp/*, sgt/*, xgrpo/*).
     """
     grads_fn = make_grad_fn(graphdef, probe, grpo_config, micro_batch_size)
