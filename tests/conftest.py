@@ -36,6 +36,16 @@ def shared_tokenizers_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def fresh_clone(tmp_path_factory):
+    """This checkout as a user's fresh clone, installed as the README installs it (tests/installs.py): run a
+    documented command with ``fresh_clone.run("mrl demo --quick --out runs/demo")``."""
+    from installs import FreshClone, clean_clone
+
+    base = tmp_path_factory.mktemp("fresh")
+    return FreshClone(clean_clone(REPO, base / "clone"), base)
+
+
 @pytest.fixture(scope="module")
 def jax_compile_cache():
     """JAX's persistent compilation cache for one module (restored afterwards): the trainer-level modules

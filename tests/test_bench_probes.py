@@ -20,14 +20,16 @@ def test_paired_difference_is_students_t():
 
 
 @pytest.mark.slow
-def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, capsys, monkeypatch):
+def test_quick_comparison_writes_every_section_and_reuses_its_cells(tmp_path, capsys, monkeypatch, fresh_clone):
+    """Run as PROBES.md runs it, from a clean clone's root on the README's plain install (tests/installs.py)."""
     import shutil
 
     import mrl_jax.trainer
     from mrl_jax.cli import main
 
     out = tmp_path / "bench"
-    assert main(["bench", "probes", "--quick", "--probes", f"none,{HEDGE}", "--out", str(out)]) == 0
+    proc = fresh_clone.run(f"python -m mrl_jax.cli bench probes --quick --probes none,{HEDGE} --out {out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "probes.json").read_text())
     assert res["probes_run"] == ["none", HEDGE] and res["settings"]["seeds"] == 1
     assert list(res["workloads"]) == ["facts", "reasoning"]

@@ -426,8 +426,11 @@ def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not (out / "checkpoints" / "1").is_dir() and time.monotonic() < deadline and child.poll() is None:
+        # a checkpoint after round 0 (keep_checkpoints 2: checkpoint "1" lives for two rounds only, which a poll can miss)
+        saved = lambda: any(p.name.isdigit() and int(p.name) >= 1 for p in (out / "checkpoints").glob("*"))
+        while not saved() and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.2)
+        assert child.poll() is None, "the run ended before it could be interrupted"
         os.killpg(child.pid, signal.SIGINT)   # the whole group, as a terminal does: reward workers included
         _, err = child.communicate(timeout=120)
     finally:

@@ -1,41 +1,147 @@
-"""A documented experiment runs from a fresh clone: family_models.py builds its three directories with no
-../shared beside the repository (the Phi-3-style tokenizer is trained, with Phi-3's control tokens and chat
-template), and prompt_format: chat without jinja2 names jinja2, not the template."""
+"""Every command README.md and experiments/*/README.md give runs, at its quick setting, in a clean clone with no
+../shared beside it, installed as the README installs it (tests/installs.py: only what `pip install -e .`, or the
+extra the doc names, brings). `QUICK` maps each documented command to what is run here; a command added to a doc
+without an entry fails `test_every_documented_command_is_run_here`. `mrl bench probes --quick` runs this way in
+tests/test_bench_probes.py; chat without jinja2 names jinja2, not the template."""
 import json
-import os
-import shutil
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "experiments/bandit/README.md", "experiments/demo/README.md", "experiments/reasoning/README.md")
+DEMO = "mrl demo --quick --probes none,sgt --out runs/demo"
+BANDIT = "mrl bandit --quick --out runs/bandit"
+BANDIT_YAML = "python experiments/bandit/run_analysis.py --config experiments/bandit/quick.yaml --out runs/bandit_yaml"
+VARIANTS = "python experiments/bandit/variants.py --quick --out runs/variants"
+FAMILY_MODELS = "python experiments/family_models.py runs/family_models"
+FAMILIES = "mrl train --config experiments/configs/families.yaml --out runs/families"
+REPORT = "mrl report runs/families --out runs/families_report"
+REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick"
+REASONING_DS = "python experiments/reasoning/run.py --out runs/reasoning_ds --variant dataset --seeds 1 --quick --probes none"
+SUITE = "the suite itself (.ci/run runs it)"
+# documented command -> what runs here (a full budget becomes its quick setting; DIR a folder of the clone)
+QUICK = {
+    "mrl demo --out runs/demo": DEMO,
+    "mrl demo --out experiments/demo": DEMO,
+    "python -m pytest -q -n 2 --dist loadfile --durations=15": SUITE,
+    "mrl report RUN --out DIR": REPORT,
+    "mrl config-help": "mrl config-help",
+    "python experiments/family_models.py runs/family_models": FAMILY_MODELS,
+    "mrl train --config experiments/configs/families.yaml --out runs/families": FAMILIES,
+    "mrl bandit --out DIR": BANDIT,
+    "mrl bandit --quick --out DIR": BANDIT,
+    "mrl bandit --out experiments/bandit/results": BANDIT,
+    "python experiments/bandit/run_analysis.py --config experiments/bandit/full.yaml --out DIR": BANDIT_YAML,
+    "python experiments/bandit/variants.py --out experiments/bandit/results/variants": VARIANTS,
+    "pip install -e '.[reasoning]'": "the venv of REASONING",
+    "python experiments/reasoning/run.py --out /tmp/reasoning": REASONING,
+    "python experiments/reasoning/run.py --out /tmp/reasoning_ds --variant dataset": REASONING_DS,
+    "python experiments/reasoning/run.py --out /tmp/smoke --seeds 1 --quick": REASONING,
+    "python experiments/reasoning/run.py --out /tmp/dyn_exp/rg --seeds 3": REASONING,
+}
 
 
-def test_family_models_builds_in_a_clone_without_shared(tmp_path):
+def documented_commands(root: Path) -> list[tuple[str, str]]:
+    """(doc, command) for each command line of the docs' code blocks (a usage line with ``[--flag]`` is a
+    synopsis, not a command) and each inline ``python|mrl ... experiments/...`` command of their prose."""
+    found = []
+    for doc in DOCS:
+        text = (root / doc).read_text()
+        lines = [ln for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M) for ln in block.splitlines()]
+        lines += re.findall(r"`((?:python|mrl) [^`]*experiments/[^`]*)`", text)
+        for line in lines:
+            cmd = re.sub(r"^.*&& \.venv/bin/", "", re.split(r"\s{2,}", line.strip())[0])
+            if re.match(r"(python3?|mrl|pip) ", cmd) and "[--" not in line:
+                found.append((doc, cmd))
+    return found
+
+
+def _ok(fresh_clone, command: str, extras: tuple[str, ...] = ()):
+    proc = fresh_clone.run(command, extras=extras)
+    assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_every_documented_command_is_run_here():
+    found = documented_commands(REPO)
+    assert {doc for doc, _ in found} == set(DOCS)
+    missing = [f"{doc}: {cmd}" for doc, cmd in found if cmd not in QUICK]
+    assert not missing, "documented commands with no quick form in tests/test_fresh_clone.py QUICK: " + str(missing)
+    source = Path(__file__).read_text()
+    for run in set(QUICK.values()) - {SUITE, "the venv of REASONING", "mrl config-help"}:
+        name = next(k for k, v in globals().items() if v == run and k.isupper())
+        assert f"_ok(fresh_clone, {name}" in source, name   # a test below runs it
+
+
+def test_the_clone_is_clean_and_its_install_is_the_readmes(fresh_clone):
+    assert (fresh_clone.root / "pyproject.toml").is_file() and not (fresh_clone.root.parent / "shared").exists()
+    assert not (fresh_clone.root / ".venv").exists()
+    probe = ("import importlib.util as u, mrl_jax; print(mrl_jax.__file__); "
+             "print([m for m in ('torch', 'pytest', 'reasoning_gym', 'hypothesis', 'peft') if u.find_spec(m)])")
+    out = _ok(fresh_clone, f'python -c "{probe}"').stdout.splitlines()
+    assert out == [str(fresh_clone.root / "mrl_jax" / "__init__.py"), "[]"]
+    assert "policies[i].name" in _ok(fresh_clone, "mrl config-help").stdout
+
+
+def test_demo_quick(fresh_clone):
+    _ok(fresh_clone, DEMO)
+    run = fresh_clone.root / "runs" / "demo"
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["probes"]) == {"none", "sgt"}
+    for name in ("summary.md", "success.png", "curves.png"):
+        assert (run / name).stat().st_size > 0
+
+
+def test_family_models_then_the_families_run_and_its_report(fresh_clone):
+    """The Phi-3-style tokenizer is trained when no ../shared is there (with Phi-3's control tokens and chat
+    template); `prompt_format: chat` renders with jinja2, a main dependency."""
     from mrl_jax.chat import PromptFormat
     from mrl_jax.tokenization import load_tokenizer
 
-    clone = tmp_path / "clone"            # a clone with no ../shared next to it
-    (clone / "experiments").mkdir(parents=True)
-    shutil.copy(REPO / "experiments" / "family_models.py", clone / "experiments")
-    assert not (tmp_path / "shared").exists()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MRL_SHARED_TOKENIZERS": str(tmp_path / "missing")}
-    proc = subprocess.run([sys.executable, "experiments/family_models.py", "runs/family_models"], cwd=clone, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    phi3 = clone / "runs" / "family_models" / "phi3"
+    _ok(fresh_clone, FAMILY_MODELS)
+    models = fresh_clone.root / "runs" / "family_models"
     for name in ("qwen3", "gemma3", "phi3"):
         for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            assert (clone / "runs" / "family_models" / name / f).is_file(), (name, f)
+            assert (models / name / f).is_file(), (name, f)
+    phi3 = models / "phi3"
     tok = load_tokenizer(phi3)
     gen = json.loads((phi3 / "generation_config.json").read_text())
-    end = tok.hf.token_to_id("<|end|>")
-    assert end in gen["eos_token_id"] and json.loads((phi3 / "config.json").read_text())["vocab_size"] == tok.vocab_size
+    assert tok.hf.token_to_id("<|end|>") in gen["eos_token_id"]
+    assert json.loads((phi3 / "config.json").read_text())["vocab_size"] == tok.vocab_size
     fmt = PromptFormat.chat_from(phi3)
     assert fmt.chat.render(["2+3="]) == ["<|user|>\n2+3=<|end|>\n<|assistant|>\n"]
     assert fmt.chat.end_of_turn() == "<|end|>"
+
+    _ok(fresh_clone, FAMILIES)
+    summary = json.loads((fresh_clone.root / "runs" / "families" / "summary.json").read_text())
+    assert set(summary["policies"]) == {"qwen3", "gemma3", "phi3"}
+    _ok(fresh_clone, REPORT)
+    assert (fresh_clone.root / "runs" / "families_report" / "summary.md").is_file()
+
+
+def test_bandit_commands(fresh_clone):
+    _ok(fresh_clone, BANDIT)
+    _ok(fresh_clone, BANDIT_YAML)
+    a, b = (json.loads((fresh_clone.root / "runs" / d / "summary.json").read_text()) for d in ("bandit", "bandit_yaml"))
+    assert a["probes"] == b["probes"]        # quick.yaml is `mrl bandit --quick`'s config
+    _ok(fresh_clone, VARIANTS)
+    table = (fresh_clone.root / "runs" / "variants" / "variants.md").read_text()
+    for variant in ("no_truncation", "high_lr", "shared_params", "extra_probes"):
+        assert f"| {variant} |" in table
+
+
+def test_reasoning_commands(fresh_clone):
+    """The reasoning-gym variant needs the extra its README installs: without it one line names the install."""
+    proc = fresh_clone.run(REASONING)
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and "\n" not in err and "pip install -e '.[reasoning]'" in err, err
+    _ok(fresh_clone, REASONING, extras=("reasoning",))
+    _ok(fresh_clone, REASONING_DS)
+    for out, runs in (("reasoning", ("rg_none_s0", "rg_sgt_s0")), ("reasoning_ds", ("dataset_none_s0",))):
+        results = json.loads((fresh_clone.root / "runs" / out / "results.json").read_text())
+        assert sorted(f"{r['variant']}_{r['probes']}_s{r['seed']}" for r in results) == sorted(runs)
 
 
 def test_chat_without_jinja2_names_jinja2_not_the_template(tmp_path, monkeypatch):

@@ -74,3 +74,21 @@ def test_experiment_config_loads_and_builds_its_task():
     assert len(cfg.policies) == 3 and cfg.eval_samples == 8
     task = build_task(cfg)
     assert len(task.train_prompts()) == cfg.task.size and task.eval_prompts()
+
+
+def test_reasoning_gym_task_without_its_extra_is_one_line_naming_the_install(monkeypatch):
+    """`pip install -e .` does not bring reasoning-gym (the `reasoning` extra does): the config says so when it
+    is read, before any work (it was a ModuleNotFoundError traceback from inside the run)."""
+    import importlib.util
+
+    from mrl_jax.configs import ConfigError
+    from mrl_jax.trainer import task_spec
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(task_spec.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "reasoning_gym" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        task_spec.TaskSpec(name="reasoning_gym", datasets={"chain_sum": 1.0})
+    msg = str(e.value)
+    assert "task.name" in msg and "pip install -e '.[reasoning]'" in msg and "\n" not in msg
+    task_spec.TaskSpec(name="mixture")   # other tasks do not need it

@@ -7,6 +7,7 @@
 
 import argparse
 
+from mrl_jax import compile_cache
 from mrl_jax.bandit import lab
 
 
@@ -18,6 +19,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="base random seed of the Monte Carlo runs")
     args = ap.parse_args()
     cfg = lab.load_config(args.config) if args.config else None
+    compile_cache.enable()   # as `mrl bandit` does: a later run loads the probes' compiled programs from disk
     lab.run(args.out, quick=args.quick, seed=args.seed, config=cfg)
 
 

@@ -4,6 +4,7 @@ Each variant changes one thing against the default lab and is written to OUT/<va
 summary.md, plane.png, curves.png); OUT/variants.md collects support / final reward / stability per probe.
 
     python experiments/bandit/variants.py --out experiments/bandit/results/variants
+    python experiments/bandit/variants.py --quick --out DIR     # each variant at `mrl bandit --quick`'s budget
 """
 
 import argparse
@@ -11,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from mrl_jax import compile_cache
 from mrl_jax.bandit import lab
 from mrl_jax.bandit.env import EnvConfig
 
@@ -32,11 +34,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="each variant at the quick lab's steps and seeds")
     args = ap.parse_args()
     out = Path(args.out)
     names = args.only.split(",") if args.only else list(VARIANTS)
+    compile_cache.enable()   # as `mrl bandit` does
     for name in names:
-        cfg = dataclasses.replace(lab.LabConfig(), **{**BASE, **VARIANTS[name]})
+        budget = {k: lab.QUICK[k] for k in ("steps", "seeds", "record_every")} if args.quick else {}
+        cfg = dataclasses.replace(lab.LabConfig(), **{**BASE, **budget, **VARIANTS[name]})
         lab.run(str(out / name), seed=args.seed, config=cfg)
     lines = ["# Bandit variants (headline G = 4, σ = 1)", "",
              "Each variant changes one thing against the default lab (see variants.py).", "",

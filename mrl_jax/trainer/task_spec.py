@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -49,6 +50,9 @@ class TaskSpec:
         check(self.name != "dataset" or self.path is not None, "path", "task 'dataset' needs a local file or directory")
         check(self.name != "reasoning_gym" or bool(self.datasets), "datasets",
               "task 'reasoning_gym' needs {dataset name: weight, ...}")
+        check(self.name != "reasoning_gym" or importlib.util.find_spec("reasoning_gym") is not None, "task.name",
+              "task 'reasoning_gym' needs the reasoning-gym package, which `pip install -e .` does not bring; "
+              "install it with pip install -e '.[reasoning]'")
         check(0.0 <= self.eval_fraction < 1.0, "eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         check(self.size > 0, "size", f"must be > 0, got {self.size}")
         check(sum(x is not None for x in (self.eval_path, self.eval_split)) <= 1, "eval_path",
