@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,13 @@ def compile_cache_dir() -> str | None:
     suite runs with it on segfaulted in ``deserialize_executable`` (a worker loading an entry the other worker or
     a child process had written), killing the xdist worker."""
     return os.environ.get("MRL_TEST_XLA_CACHE") or None
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a coordinator of a multi-process test run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def forced_devices_env(devices: int, base: dict | None = None) -> dict:

@@ -192,18 +192,10 @@ def _flags(*flags, env_vars=None):
     return edit
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _coordinator_gone(cfg, tmp, env):
     env.setenv("MRL_INIT_TIMEOUT_S", "1")
     return ["train", "--config", str(tmp / "cfg.yaml"), "--out", str(tmp / "run"), "--coordinator",
-            f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1"]
+            f"127.0.0.1:{support.free_port()}", "--num-processes", "2", "--process-id", "1"]
 
 
 def _eval(*flags, model=None):
@@ -403,7 +395,7 @@ def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
     """Process 0 of 2 alone: JAX would abort (exit 134, a C++ trace) at its start-up limit; the run exits 2 first."""
     env = dict(os.environ, PYTHONPATH=str(REPO), MRL_INIT_TIMEOUT_S="2", JAX_PLATFORMS="cpu")
     argv = [sys.executable, "-m", "mrl_jax.cli", "train", "--config", str(_config(tmp_path)), "--out",
-            str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{support.free_port()}", "--num-processes", "2",
             "--process-id", "0"]
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     lines = res.stderr.strip().splitlines()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -316,15 +315,9 @@ def test_subprocess_sharded_update_equals_single_device(local8):
     assert abs(la - lb) < 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_jax_distributed(tmp_path):
-    port = _free_port()
+    port = support.free_port()
     results = [tmp_path / f"process{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), "mp", str(i), str(port)],
                               env=worker_result.env_for(support.forced_devices_env(2), results[i]),

@@ -4,7 +4,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import re
 import socket
 import sys
 import threading
@@ -89,7 +88,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if coordinator_address is None and num_processes is None and process_id is None:
         if not auto_detect:
             return DistributedInfo(False, 0, 1, None)
-        jax.distributed.initialize(initialization_timeout=timeout)
+        _initialize(initialization_timeout=timeout)
         return DistributedInfo(True, jax.process_index(), jax.process_count(), None)
     if num_processes is not None and num_processes < 1:
         raise DistributedSetupError(f"--num-processes {num_processes}: must be >= 1 (one process per host)")
@@ -126,11 +125,29 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if process_id != 0:   # process 0 serves the coordinator; the others first see its port open (JAX aborts)
         _wait_for_port(coordinator_address, timeout, process_id, num_processes)
     joined = _join_deadline(coordinator_address, timeout, process_id, num_processes)
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=timeout + JOIN_GRACE_S, **extra)
+    _initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+                local_device_ids=local_device_ids, initialization_timeout=timeout + JOIN_GRACE_S, **extra)
     joined.set()
     return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+
+
+def _initialize(**kwargs) -> None:
+    """`jax.distributed.initialize` with a recoverable coordination service: a process that stops answering is
+    marked dead (`watch_run` sees it and stops this process with one line) instead of the service pushing a fatal
+    error that JAX's C++ client turns into an abort (exit 134) racing that line."""
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except AttributeError:   # a JAX without the option: the abort may then win the race (docs/multihost.md)
+        pass
+    from jax._src.lib import utils
+
+    # the service's start warns once that the recoverable option is experimental: only errors while it starts
+    utils.absl_set_min_log_level(2)
+    try:
+        jax.distributed.initialize(**kwargs)
+    finally:   # back to the level JAX reads from the environment (absl's default: everything)
+        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
+        utils.absl_set_min_log_level(int(level) if level.isdigit() else 0)
 
 
 JOIN_GRACE_S = 30   # JAX's own start-up limit is this much later than ours: its expiry is an abort (exit 134)
@@ -236,17 +253,16 @@ def lockstep(mesh, fn: Callable) -> Callable:
 
 
 LOST_EXIT_CODE = 75   # a process of the run was lost: resume every process (EX_TEMPFAIL)
-_WATCH: dict = {"out": None, "thread": None, "closing": False, "failed": False, "heartbeat_s": 100}
-_LOST = ("heartbeat", "unhealthy", "crashed")   # in the coordination service's error of a dead process
+WATCH_PERIOD_S = 1.0   # how often the watchdog asks the coordination service which processes are alive
+_WATCH: dict = {"out": None, "thread": None, "closing": threading.Event(), "failed": False, "heartbeat_s": 100}
 
 
 def watch_run(out_dir) -> None:
     """Multi-process runs: name ``out_dir`` as the run whose checkpoints a lost-process notice points to, and
-    start (once per process) the watchdog: a daemon thread waiting at a barrier of this process's own that the
-    others never enter, so it only returns when the coordination service declares a process dead (after the
-    heartbeat timeout). It then prints one line -- which process was lost, the intact checkpoint round, the
-    resume command -- and exits with `LOST_EXIT_CODE`, ahead of JAX's own abort (exit 134, a C++ trace) which
-    the same event triggers. A no-op in a single-process run."""
+    start (once per process) the watchdog: a daemon thread asking the coordination service every
+    `WATCH_PERIOD_S` which processes are alive. When one is declared dead (no heartbeat within the heartbeat
+    timeout), or the coordinator stops answering, it prints one line -- which process was lost, the intact
+    checkpoint round, the resume command -- and exits with `LOST_EXIT_CODE`. A no-op in a single-process run."""
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -263,29 +279,39 @@ def watch_run(out_dir) -> None:
         hook(*exc)
 
     sys.excepthook = failed
-    me, n = jax.process_index(), jax.process_count()
+    everyone, closing = list(range(jax.process_count())), _WATCH["closing"]
 
-    def wait():
-        try:
-            client.wait_at_barrier(f"mrl.watch.{me}", 30 * 24 * 3600 * 1000, list(range(n)))
-        except Exception as e:  # noqa: BLE001 -- any error of the coordination service ends the run
-            if not _WATCH["closing"] or any(w in str(e) for w in _LOST):
-                print(lost_process_line(str(e), _WATCH["out"]), file=sys.stderr, flush=True)
+    def watch():
+        while not closing.wait(WATCH_PERIOD_S):
+            try:
+                dead = sorted(set(everyone) - set(client.get_live_nodes(everyone)))
+            except Exception:  # noqa: BLE001 -- the coordinator (process 0) no longer answers
+                dead = None
+            # a peer leaving at the end of a finished run looks the same for a moment: this process is then
+            # past the exit barrier and sets `closing` within the grace period
+            if (dead is None or dead) and not closing.wait(2 * WATCH_PERIOD_S):
+                print(lost_process_line(dead, _WATCH["out"]), file=sys.stderr, flush=True)
                 os._exit(LOST_EXIT_CODE)
 
-    _WATCH["thread"] = threading.Thread(target=wait, name="mrl-watch", daemon=True)
+    _WATCH["thread"] = threading.Thread(target=watch, name="mrl-watch", daemon=True)
     _WATCH["thread"].start()
 
 
 def _stop_watch() -> None:
-    """At exit: leave the run (``jax.distributed.shutdown`` ends the watchdog's barrier), then let the watchdog
-    return before the interpreter tears its thread down. After an uncaught error, first give a dead peer's
-    heartbeat timeout the time to reach the watchdog (shutting down would abort on it without the line)."""
-    _WATCH["closing"] = True
-    if _WATCH["failed"]:   # a peer may be dead: its heartbeat timeout ends the watchdog (line, exit 75) first
+    """At exit: after an uncaught error, first give a dead peer's heartbeat timeout the time to reach the
+    watchdog (it then prints its line and exits 75); otherwise wait for every process to finish (the recoverable
+    service has no shutdown barrier of its own: the coordinator must not leave before the others). Then stop the
+    watchdog and leave the run."""
+    if _WATCH["failed"]:
         _WATCH["thread"].join(timeout=_WATCH["heartbeat_s"] + 10)
-    jax.distributed.shutdown()
+    else:
+        try:
+            barrier("mrl.exit", timeout_s=_WATCH["heartbeat_s"] + 10)
+        except Exception:  # noqa: BLE001 -- a peer that never arrives: the watchdog has said so, or shutdown will
+            pass
+    _WATCH["closing"].set()
     _WATCH["thread"].join(timeout=10)
+    jax.distributed.shutdown()
 
 
 def _complete_round(out: Path | None) -> int | None:
@@ -296,11 +322,10 @@ def _complete_round(out: Path | None) -> int | None:
     return max(steps) if steps else None
 
 
-def lost_process_line(error: str, out: Path | None) -> str:
-    """The one line a surviving process prints when the coordination service reports another one dead."""
-    m = re.search(r"Task (\d+) heartbeat timeout|unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)", error)
-    ids = sorted({int(t) for t in re.findall(r"\d+", (m.group(1) or m.group(2)))}) if m else []
-    who = (f"process {', '.join(map(str, ids))} of {jax.process_count()} stopped answering" if ids else
+def lost_process_line(dead: list[int] | None, out: Path | None) -> str:
+    """The one line a surviving process prints when the processes ``dead`` stopped answering (``None``: the
+    coordinator itself is gone)."""
+    who = (f"process {', '.join(map(str, dead))} of {jax.process_count()} stopped answering" if dead else
            f"the coordinator (process 0) or another process of {jax.process_count()} is gone")
     r = _complete_round(out)
     cmd = " ".join(["mrl"] + [a for a in sys.argv[1:]] + ["--resume"]) if Path(sys.argv[0]).name == "mrl" and \

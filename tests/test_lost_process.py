@@ -1,0 +1,50 @@
+"""A multi-process run whose process dies (docs/multihost.md, "When a process dies"): every survivor prints one
+line naming the lost process and exits with `mwra.LOST_EXIT_CODE` -- never JAX's C++ abort (exit 134), which
+raced that line and sometimes won while the coordination service pushed a fatal error to every process -- and a
+run that ends normally ends with 0 on every process, however far apart they finish (tests/watch_worker.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import support
+from mrl_jax import mwra
+
+WORKER = Path(__file__).with_name("watch_worker.py")
+
+
+def _run_two(mode: str, out: Path) -> list[tuple[int, str]]:
+    """Both processes of ``mode`` to the end: [(exit code, stderr)]."""
+    port = support.free_port()
+    env = support.forced_devices_env(1)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(out), str(i), str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+        return [(p.returncode, err) for p, err in zip(procs, errs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_the_survivor_of_a_dead_process_prints_one_line_and_exits_75(tmp_path):
+    """Process 1 is killed (-9); process 0 stops with exit 75 and one line naming process 1 and the intact
+    checkpoint, and no abort. Three runs: with the old barrier watchdog the abort printed its trace in the first."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    for _ in range(3):
+        (code, err), _ = _run_two("kill1", tmp_path)
+        lines = [ln for ln in err.splitlines() if ln.startswith("mrl train: ")]
+        assert code == mwra.LOST_EXIT_CODE and len(lines) == 1, err[-3000:]
+        assert "process 1 of 2 stopped answering" in lines[0]
+        assert f"checkpoint of round 4 in {tmp_path / 'checkpoints'} is intact" in lines[0]
+        assert "Terminating process" not in err and "process 0 done" not in err
+
+
+def test_processes_that_finish_apart_both_end_with_0(tmp_path):
+    """Process 1 ends 3 s (the heartbeat timeout) after process 0: process 0 waits for it before it takes the
+    coordination service down, and neither reports a lost process."""
+    results = _run_two("finish", tmp_path)
+    for code, err in results:
+        assert code == 0 and "mrl train:" not in err, err[-3000:]
+    assert all(f"process {i} done" in err for i, (_, err) in enumerate(results))

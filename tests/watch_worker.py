@@ -1,0 +1,24 @@
+"""One process of a 2-process run for tests/test_lost_process.py: joins through `mwra.initialize_distributed`
+(3 s heartbeat), starts the watchdog (`mwra.watch_run`), then plays its part of ``mode``:
+``kill1`` -- process 1 kills itself (SIGKILL) after 1 s, process 0 waits;
+``finish`` -- both end normally, process 1 three seconds after process 0.
+Usage: watch_worker.py MODE OUT_DIR PROCESS_ID PORT"""
+import os
+import signal
+import sys
+import time
+
+from mrl_jax import mwra
+
+mode, out, me, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+mwra.initialize_distributed(f"localhost:{port}", 2, me, heartbeat_timeout_s=3)
+mwra.watch_run(out)
+print(f"process {me} up", file=sys.stderr, flush=True)
+if mode == "kill1" and me == 1:
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "finish":
+    time.sleep(3 * me)
+else:
+    time.sleep(60)
+print(f"process {me} done", file=sys.stderr, flush=True)
