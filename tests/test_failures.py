@@ -398,7 +398,8 @@ def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
             str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{support.free_port()}", "--num-processes", "2",
             "--process-id", "0"]
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
-    lines = res.stderr.strip().splitlines()
+    # ours, without JAX's one warning that its coordination service runs recoverable (docs/multihost.md)
+    lines = [ln for ln in res.stderr.strip().splitlines() if "recoverable task feature" not in ln]
     assert res.returncode == 2 and "Check failure" not in res.stderr, res.stderr
     assert lines[0].startswith("waiting for coordinator 127.0.0.1:") and lines[0].endswith("(process 0 of 2, timeout 2 s)")
     assert lines[-1].startswith("mrl train: --coordinator 127.0.0.1:") and "did not all join within 2 s" in lines[-1]

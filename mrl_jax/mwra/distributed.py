@@ -139,15 +139,7 @@ def _initialize(**kwargs) -> None:
         jax.config.update("jax_enable_recoverability", True)
     except AttributeError:   # a JAX without the option: the abort may then win the race (docs/multihost.md)
         pass
-    from jax._src.lib import utils
-
-    # the service's start warns once that the recoverable option is experimental: only errors while it starts
-    utils.absl_set_min_log_level(2)
-    try:
-        jax.distributed.initialize(**kwargs)
-    finally:   # back to the level JAX reads from the environment (absl's default: everything)
-        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
-        utils.absl_set_min_log_level(int(level) if level.isdigit() else 0)
+    jax.distributed.initialize(**kwargs)
 
 
 JOIN_GRACE_S = 30   # JAX's own start-up limit is this much later than ours: its expiry is an abort (exit 134)
