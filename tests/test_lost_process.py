@@ -42,8 +42,9 @@ def test_the_survivor_of_a_dead_process_prints_one_line_and_exits_75(tmp_path):
 
 
 def test_processes_that_finish_apart_both_end_with_0(tmp_path):
-    """Process 1 ends 3 s (the heartbeat timeout) after process 0: process 0 waits for it before it takes the
-    coordination service down, and neither reports a lost process."""
+    """Process 1 ends 3 s (the heartbeat timeout) after process 0 and is slow to leave: process 0 waits for it
+    before it takes the coordination service down (without that wait process 1 aborted in its shutdown call), and
+    neither reports a lost process."""
     results = _run_two("finish", tmp_path)
     for code, err in results:
         assert code == 0 and "mrl train:" not in err, err[-3000:]

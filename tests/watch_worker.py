@@ -1,12 +1,15 @@
 """One process of a 2-process run for tests/test_lost_process.py: joins through `mwra.initialize_distributed`
 (3 s heartbeat), starts the watchdog (`mwra.watch_run`), then plays its part of ``mode``:
 ``kill1`` -- process 1 kills itself (SIGKILL) after 1 s, process 0 waits;
-``finish`` -- both end normally, process 1 three seconds after process 0.
+``finish`` -- both end normally, process 1 three seconds after process 0 and slow to leave (1.5 s between the
+exit barrier and its shutdown call, as a loaded machine may be).
 Usage: watch_worker.py MODE OUT_DIR PROCESS_ID PORT"""
 import os
 import signal
 import sys
 import time
+
+import jax
 
 from mrl_jax import mwra
 
@@ -19,6 +22,9 @@ if mode == "kill1" and me == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "finish":
     time.sleep(3 * me)
+    if me == 1:
+        shutdown = jax.distributed.shutdown
+        jax.distributed.shutdown = lambda: (time.sleep(1.5), shutdown())
 else:
     time.sleep(60)
 print(f"process {me} done", file=sys.stderr, flush=True)

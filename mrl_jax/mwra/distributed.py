@@ -140,6 +140,7 @@ def _initialize(**kwargs) -> None:
     except AttributeError:   # a JAX without the option: the abort may then win the race (docs/multihost.md)
         pass
     jax.distributed.initialize(**kwargs)
+    atexit.register(_leave)   # runs before JAX's own exit hook (registered at import): see _leave
 
 
 JOIN_GRACE_S = 30   # JAX's own start-up limit is this much later than ours: its expiry is an abort (exit 134)
@@ -263,7 +264,6 @@ def watch_run(out_dir) -> None:
     _WATCH["out"] = Path(out_dir)
     if _WATCH["thread"] is not None:
         return
-    atexit.register(_stop_watch)
     hook = sys.excepthook
 
     def failed(*exc):   # an uncaught error (a collective that lost its peer): let the watchdog speak at exit
@@ -289,21 +289,47 @@ def watch_run(out_dir) -> None:
     _WATCH["thread"].start()
 
 
-def _stop_watch() -> None:
-    """At exit: after an uncaught error, first give a dead peer's heartbeat timeout the time to reach the
-    watchdog (it then prints its line and exits 75); otherwise wait for every process to finish (the recoverable
-    service has no shutdown barrier of its own: the coordinator must not leave before the others). Then stop the
-    watchdog and leave the run."""
-    if _WATCH["failed"]:
-        _WATCH["thread"].join(timeout=_WATCH["heartbeat_s"] + 10)
-    else:
+def _leave() -> None:
+    """At exit of a multi-process run, in this order: after an uncaught error, give a dead peer's heartbeat
+    timeout the time to reach the watchdog (it then prints its line and exits 75); otherwise wait for every
+    process to finish (`mwra.barrier`). Stop the watchdog. Then the processes other than 0 leave the coordination
+    service first and process 0, which serves it, last: the recoverable service has no shutdown barrier of its
+    own, and a client whose service is already gone aborts in its shutdown call (exit 134)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    patience = _WATCH["heartbeat_s"] + 10
+    if not _WATCH["failed"]:
         try:
-            barrier("mrl.exit", timeout_s=_WATCH["heartbeat_s"] + 10)
-        except Exception:  # noqa: BLE001 -- a peer that never arrives: the watchdog has said so, or shutdown will
-            pass
+            barrier("mrl.exit", timeout_s=patience)
+        except Exception:  # noqa: BLE001 -- a peer that never arrives: the watchdog says so (below) if it is dead
+            _WATCH["failed"] = True
+    if _WATCH["failed"] and _WATCH["thread"] is not None:
+        _WATCH["thread"].join(timeout=patience)
     _WATCH["closing"].set()
-    _WATCH["thread"].join(timeout=10)
+    if _WATCH["thread"] is not None:
+        _WATCH["thread"].join(timeout=10)
+    if jax.process_index() == 0:
+        _await_departures(client, jax.process_count(), patience)
     jax.distributed.shutdown()
+
+
+def _await_departures(client, num_processes: int, timeout_s: float) -> None:
+    """Block (at most ``timeout_s``) until process 0 is the only one the coordination service still counts as
+    alive: every other process has left (or been declared dead). The service's answer waits for every live
+    process to ask too (their watchdogs do, every second), hence the thread."""
+    def poll():
+        try:
+            while set(client.get_live_nodes(list(range(num_processes)))) - {0}:
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 -- the service is failing: nothing left to wait for
+            pass
+
+    waiter = threading.Thread(target=poll, name="mrl-leave", daemon=True)
+    waiter.start()
+    waiter.join(timeout=timeout_s)
 
 
 def _complete_round(out: Path | None) -> int | None:
