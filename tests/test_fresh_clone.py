@@ -11,14 +11,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "experiments/bandit/README.md", "experiments/demo/README.md", "experiments/reasoning/README.md")
-DEMO = "mrl demo --quick --probes none,sgt --out runs/demo"
+DEMO = "mrl demo --quick --probes sgt --out runs/demo"
 BANDIT = "mrl bandit --quick --out runs/bandit"
 BANDIT_YAML = "python experiments/bandit/run_analysis.py --config experiments/bandit/quick.yaml --out runs/bandit_yaml"
 VARIANTS = "python experiments/bandit/variants.py --quick --out runs/variants"
 FAMILY_MODELS = "python experiments/family_models.py runs/family_models"
 FAMILIES = "mrl train --config experiments/configs/families.yaml --out runs/families"
 REPORT = "mrl report runs/families --out runs/families_report"
-REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick"
+REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick --probes sgt"
 REASONING_DS = "python experiments/reasoning/run.py --out runs/reasoning_ds --variant dataset --seeds 1 --quick --probes none"
 SUITE = "the suite itself (.ci/run runs it)"
 # documented command -> what runs here (a full budget becomes its quick setting; DIR a folder of the clone)
@@ -89,7 +89,7 @@ def test_demo_quick(fresh_clone):
     _ok(fresh_clone, DEMO)
     run = fresh_clone.root / "runs" / "demo"
     summary = json.loads((run / "summary.json").read_text())
-    assert set(summary["probes"]) == {"none", "sgt"}
+    assert set(summary["probes"]) == {"sgt"}
     for name in ("summary.md", "success.png", "curves.png"):
         assert (run / name).stat().st_size > 0
 
@@ -139,7 +139,7 @@ def test_reasoning_commands(fresh_clone):
     assert proc.returncode == 1 and "\n" not in err and "pip install -e '.[reasoning]'" in err, err
     _ok(fresh_clone, REASONING, extras=("reasoning",))
     _ok(fresh_clone, REASONING_DS)
-    for out, runs in (("reasoning", ("rg_none_s0", "rg_sgt_s0")), ("reasoning_ds", ("dataset_none_s0",))):
+    for out, runs in (("reasoning", ("rg_sgt_s0",)), ("reasoning_ds", ("dataset_none_s0",))):
         results = json.loads((fresh_clone.root / "runs" / out / "results.json").read_text())
         assert sorted(f"{r['variant']}_{r['probes']}_s{r['seed']}" for r in results) == sorted(runs)
 

@@ -27,6 +27,7 @@ VARIANTS = {
     # two more probe configurations: PRP with untruncated weights, SGT with lambda = 1
     "extra_probes": dict(probes=("none", "prp", "prp_raw", "sgt", "sgt_lam1")),
 }
+QUICK_PROBES = {"extra_probes": ("none", "prp_raw", "sgt_lam1")}
 
 
 def main() -> None:
@@ -34,14 +35,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="each variant at the quick lab's steps and seeds")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: each variant at the quick lab's steps and seeds, under none and sgt only "
+                         "(extra_probes: its own two probes and none)")
     args = ap.parse_args()
     out = Path(args.out)
     names = args.only.split(",") if args.only else list(VARIANTS)
     compile_cache.enable()   # as `mrl bandit` does
     for name in names:
-        budget = {k: lab.QUICK[k] for k in ("steps", "seeds", "record_every")} if args.quick else {}
-        cfg = dataclasses.replace(lab.LabConfig(), **{**BASE, **budget, **VARIANTS[name]})
+        cfg = dataclasses.replace(lab.LabConfig(), **{**BASE, **VARIANTS[name]})
+        if args.quick:   # each lab probe is its own compile, several seconds: the smoke run compiles few
+            cfg = dataclasses.replace(cfg, **{k: lab.QUICK[k] for k in ("steps", "seeds", "record_every")},
+                                      probes=QUICK_PROBES.get(name, ("none", "sgt")))
         lab.run(str(out / name), seed=args.seed, config=cfg)
     lines = ["# Bandit variants (headline G = 4, σ = 1)", "",
              "Each variant changes one thing against the default lab (see variants.py).", "",
