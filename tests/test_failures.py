@@ -391,6 +391,34 @@ def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path,
     signal.signal(signal.SIGINT, previous)
 
 
+def test_an_ignored_sigint_stays_ignored_during_a_checkpoint_write(tmp_path, monkeypatch):
+    """A run that inherited SIGINT ignored (started in the background by a script) ignores it during the write
+    too: the write finishes, no interrupt (the deferral used to turn it into one)."""
+    import signal
+
+    import numpy as np
+    from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
+
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    original = cch.CompositeCheckpointHandler.save
+
+    def save(self, directory, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return original(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+    ckpt = RunCheckpointer(tmp_path)
+    try:
+        ckpt.save(3, {"w": np.arange(6.0)}, {"round": 3})
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        ckpt.close()
+        signal.signal(signal.SIGINT, previous)
+    assert ckpt.latest_round() == 3
+
+
 def test_processes_that_never_all_join_exit_2_naming_the_flags(tmp_path):
     """Process 0 of 2 alone: JAX would abort (exit 134, a C++ trace) at its start-up limit; the run exits 2 first."""
     env = dict(os.environ, PYTHONPATH=str(REPO), MRL_INIT_TIMEOUT_S="2", JAX_PLATFORMS="cpu")
@@ -415,8 +443,11 @@ def test_sigint_of_a_real_run_is_one_line_without_traceback(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **support.compile_cache_env())
     argv = ["train", "--config", str(_config(tmp_path, rounds=200)), "--out", str(out)]
+    # SIGINT as a terminal's foreground process has it: a test run started in the background by a script inherits
+    # it ignored (so did the run, which then stopped only when the signal came during a checkpoint write)
     child = subprocess.Popen([sys.executable, "-m", "mrl_jax.cli", *argv], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         # a checkpoint after round 0 (keep_checkpoints 2: checkpoint "1" lives for two rounds only, which a poll can miss)

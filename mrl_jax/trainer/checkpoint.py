@@ -103,8 +103,10 @@ def host_template(template: Any) -> Any:
 @contextlib.contextmanager
 def interrupts_deferred(line: str):
     """SIGINT inside the block is held until it ends (then raised as ``KeyboardInterrupt``), with ``line`` on
-    stderr; a second SIGINT raises at once. Off the main thread (where no handler can be set) a no-op."""
-    if threading.current_thread() is not threading.main_thread():
+    stderr; a second SIGINT raises at once. A no-op off the main thread (where no handler can be set) and where
+    SIGINT is ignored (a script's background job: the run ignores it throughout, the write too)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         yield
         return
     pending: list[int] = []
