@@ -362,18 +362,12 @@ def test_ctrl_c_inside_a_checkpoint_write_is_one_line_with_the_resume_command(tm
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]   # no stale *.orbax-checkpoint-tmp
 
 
-def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path, monkeypatch, capsys):
-    """A real SIGINT inside the write: the checkpoint still completes (no temp folder for orbax's threads to
-    refill), then KeyboardInterrupt; the deferral says so on stderr."""
+def _sigint_inside_each_write(monkeypatch):
+    """A real SIGINT to this process at the start of orbax's write of every checkpoint."""
     import signal
 
-    import numpy as np
     from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
 
-    from mrl_jax.trainer.checkpoint import RunCheckpointer
-
-    # Python's own handler, whatever this process inherited (a shell's background job starts with SIGINT ignored)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     original = cch.CompositeCheckpointHandler.save
 
     def save(self, directory, *args, **kwargs):
@@ -381,6 +375,20 @@ def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path,
         return original(self, directory, *args, **kwargs)
 
     monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+
+
+def test_sigint_during_a_checkpoint_write_waits_for_it_then_interrupts(tmp_path, monkeypatch, capsys):
+    """A real SIGINT inside the write: the checkpoint still completes (no temp folder for orbax's threads to
+    refill), then KeyboardInterrupt; the deferral says so on stderr."""
+    import signal
+
+    import numpy as np
+
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    # Python's own handler, whatever this process inherited (a shell's background job starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    _sigint_inside_each_write(monkeypatch)
     ckpt = RunCheckpointer(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(3, {"w": np.arange(6.0)}, {"round": 3})
@@ -397,18 +405,11 @@ def test_an_ignored_sigint_stays_ignored_during_a_checkpoint_write(tmp_path, mon
     import signal
 
     import numpy as np
-    from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
 
     from mrl_jax.trainer.checkpoint import RunCheckpointer
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    original = cch.CompositeCheckpointHandler.save
-
-    def save(self, directory, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        return original(self, directory, *args, **kwargs)
-
-    monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+    _sigint_inside_each_write(monkeypatch)
     ckpt = RunCheckpointer(tmp_path)
     try:
         ckpt.save(3, {"w": np.arange(6.0)}, {"round": 3})
