@@ -14,21 +14,20 @@ How it works:
   step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
   row-step waits for the host. The host reads one flag per chunk (anything left?), the next chunk already
   dispatched; nothing else crosses to the host until the outputs.
-* the cache (:class:`SlotCache`) is a ring of C = Tc + N - 1 entries per slot (Tc the prompt width): every slot
-  writes step t's key/value at entry ``t mod C`` (one scalar write index for all slots, the joint-layout decode of
-  :mod:`mrl_jax.models.attention` as is); a row admitted at step t gets its prompt's keys copied into the C - N + 1
-  entries its N - 1 decode steps will not reach, and ``kpos`` (each entry's position, -1 empty) gives the mask and
-  the sliding windows. Attention does not depend on where a key sits, so a row's logits are those of the static
+* the cache (:class:`mrl_jax.models.SlotCache`) holds C = Tc + N - 1 entries per slot (Tc the prompt width),
+  entry e the token at position e of the slot's row: a row admitted gets its prompt (left-aligned in the prompt
+  store) copied into entries [0, Tc), and each decode step writes its token at entry ``qpos`` (its position) and
+  attends over entries [0, qpos] -- a length per slot, the layout JAX's Pallas TPU paged attention kernel reads
+  (on TPU the decode step runs it: see :mod:`mrl_jax.models.slot_cache`). A row's logits are those of the static
   sampler.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
-Memory (KV copied into the slots, not paged): per slot 2 * L * K * D * C * dtype bytes, plus the prompt store
+Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot 2 * L * K * D * C * dtype bytes, plus the prompt store
 P * Tc * the same per-token figure, plus the outputs [P * G, N]. Llama-3.1-8B (128 KiB per token, bf16), 64 prompts
 x G 8, 1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB
-prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). A paged cache would share each prompt's
-blocks among its G slots instead of copying them (here Tc / C = 20 % of each slot); the copy keeps the decode
-step the joint-layout attention (one block per slot, no block-table gather).
+prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its
+G slots would save Tc / C (here 20 %) of each slot, at a gathered read per step on the pure-JAX path.
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
@@ -49,7 +48,7 @@ import numpy as np
 from flax import nnx, struct
 
 from mrl_jax.models import splash
-from mrl_jax.models.attention import SampleCache
+from mrl_jax.models.slot_cache import SlotCache
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
@@ -79,31 +78,13 @@ def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
 
 
 @struct.dataclass
-class SlotCache(SampleCache):
-    """A joint-layout :class:`SampleCache` (``pk = pv = ()``, ``pmask`` bool[S, 0]) used as a ring per slot:
-    gk [S, K, D, C], gv [S, K, C, D] per layer. kpos: int32[S, C] the position of the token held in each entry
-    (-1: empty); qpos: int32[S] the position of the token the step feeds (its window's reference)."""
-
-    kpos: jax.Array
-    qpos: jax.Array
-
-    def step_masks(self, gen_index, window=None):
-        """bool[S, C]: the entries the step's query sees (the new entry is already in ``kpos``)."""
-        seen = self.kpos >= 0
-        if window is not None:
-            seen = seen & (self.kpos > self.qpos[:, None] - window)
-        return seen
-
-
-@struct.dataclass
 class _Prompts:
-    """The round's constants: prompt keys pk (L x [P, K, D, Tc]) / values pv (L x [P, K, Tc, D]), ppos int32[P, Tc]
-    (positions, -1 on padding), plen int32[P], tok0 int32[B], u f32[B, N, 2] (None greedy), order int32[B] (rows
-    to decode, queue order), count int32 (how many)."""
+    """The round's constants: prompt keys pk (L x [P, K, D, Tc]) / values pv (L x [P, K, Tc, D]), each prompt
+    left-aligned (entry e: position e; entries from its length on unused), plen int32[P], tok0 int32[B],
+    u f32[B, N, 2] (None greedy), order int32[B] (rows to decode, queue order), count int32 (how many)."""
 
     pk: tuple
     pv: tuple
-    ppos: jax.Array
     plen: jax.Array
     tok0: jax.Array
     u: jax.Array | None
@@ -114,7 +95,7 @@ class _Prompts:
 @struct.dataclass
 class _State:
     """Slots: row int32[S] (-1 free), step int32[S] (the token index it samples next), tok int32[S] (the token it
-    feeds); t: steps run (ring write index t mod C); ptr: queue rows taken; outputs tokens [B, N], logps [B, N, 2],
+    feeds); t: decode steps run; ptr: queue rows taken; outputs tokens [B, N], logps [B, N, 2],
     mask [B, N], ended bool[B] (stop id seen)."""
 
     cache: SlotCache
@@ -134,7 +115,7 @@ def _constrain(state: _State, rows) -> _State:
     if rows is None:
         return state
     c = jax.lax.with_sharding_constraint
-    return state.replace(cache=jax.tree.map(lambda x: c(x, rows), state.cache), row=c(state.row, rows),
+    return state.replace(cache=state.cache.constrain(rows), row=c(state.row, rows),
                          step=c(state.step, rows), tok=c(state.tok, rows))
 
 
@@ -154,26 +135,17 @@ def _busy(p: _Prompts, st: _State):
     return jnp.any(st.row >= 0) | (st.ptr < p.count)
 
 
-def _admit(p: _Prompts, st: _State, a: int, g: int, n: int) -> _State:
-    """Up to ``a`` queued rows into free slots at step ``st.t``: each one's prompt copied into the entries its
-    decode steps will not write (ring shifted by t mod C), its token 0 to feed, step 1."""
+def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
+    """Up to ``a`` queued rows into free slots: each one's prompt copied into its slot's first entries, its token 0
+    to feed, step 1."""
     s, b = st.row.shape[0], p.order.shape[0]
-    c = st.cache.kpos.shape[1]
     free = jnp.nonzero(st.row < 0, size=a, fill_value=s)[0]
     j = jnp.arange(a, dtype=jnp.int32)
     ok = (free < s) & (st.ptr + j < p.count)
     row = p.order[jnp.minimum(st.ptr + j, b - 1)]
     idx = jnp.where(ok, free, s)   # s: dropped
-    pr, shift = row // g, st.t % c
-
-    def ring(x, fill, axis):   # [a, ..., Tc, ...] -> [a, ..., C, ...]: N - 1 empty entries, then the prompt, rolled
-        empty = jnp.full(x.shape[:axis] + (n - 1,) + x.shape[axis + 1:], fill, x.dtype)
-        return jnp.roll(jnp.concatenate([empty, x], axis), shift, axis)
-
-    cache = st.cache.replace(
-        gk=tuple(x.at[idx].set(ring(k[pr], 0, 3), mode="drop") for x, k in zip(st.cache.gk, p.pk)),
-        gv=tuple(x.at[idx].set(ring(v[pr], 0, 2), mode="drop") for x, v in zip(st.cache.gv, p.pv)),
-        kpos=st.cache.kpos.at[idx].set(ring(p.ppos[pr], -1, 1), mode="drop"))
+    pr = row // g
+    cache = st.cache.load(idx, tuple(k[pr] for k in p.pk), tuple(v[pr] for v in p.pv))
     return st.replace(cache=cache, row=st.row.at[idx].set(row, mode="drop"),
                       step=st.step.at[idx].set(1, mode="drop"), tok=st.tok.at[idx].set(p.tok0[row], mode="drop"),
                       ptr=st.ptr + jnp.sum(ok, dtype=jnp.int32))
@@ -183,13 +155,10 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     """One decode step of every slot: feed its token at its position, sample its next token with its row's
     uniforms at its step, write it to the row's outputs; a row that ends frees its slot."""
     n, b = config.max_new_tokens, p.tok0.shape[0]
-    c = st.cache.kpos.shape[1]
     live = st.row >= 0
     r, i = jnp.maximum(st.row, 0), jnp.minimum(st.step, n - 1)
-    qpos = p.plen[r // g] + i - 1
-    w = st.t % c
-    cache = st.cache.replace(kpos=st.cache.kpos.at[:, w].set(jnp.where(live, qpos, -1)), qpos=qpos)
-    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], cache, w)
+    qpos = p.plen[r // g] + i - 1   # a free slot feeds row 0's step: its entries are rewritten before a row reads them
+    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], st.cache.replace(qpos=qpos), 0)
     u = None if p.u is None else p.u[r, i].T[..., None]
     tok, lp, slp = sample_rows(logits[:, -1], u, config)
     out = jnp.where(live, st.row, b)   # b: dropped
@@ -203,19 +172,23 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
 
 
 def _prefill(model, prompt_ids, prompt_mask, width: int):
-    """The prompt store's keys / values (L x [P, K, D, Tc], L x [P, K, Tc, D]), ppos int32[P, Tc], plen int32[P]
-    and the last position's hidden state [P, D]; Tc = ``width`` >= Tp (right of the prompt: empty entries)."""
+    """The prompt store's keys / values (L x [P, K, D, Tc], L x [P, K, Tc, D]), each prompt left-aligned (its
+    left padding dropped: entry e holds position e), plen int32[P] and the last position's hidden state [P, D];
+    Tc = ``width`` >= Tp (entries from a prompt's length on: unused)."""
     p, tp = prompt_ids.shape
     pmask = prompt_mask.astype(bool)
     positions = jnp.maximum(jnp.cumsum(pmask.astype(jnp.int32), axis=-1) - 1, 0)
     kv = model.init_cache(p, tp)
     h, kv = model.decode_hidden(prompt_ids.astype(jnp.int32), positions, kv, 0, pmask)
-    extra = width - tp
-    pk = tuple(jnp.pad(kv.k[i].transpose(0, 2, 3, 1), ((0, 0),) * 3 + ((0, extra),)) for i in range(kv.k.shape[0]))
-    pv = tuple(jnp.pad(kv.v[i].transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, extra), (0, 0)))
-               for i in range(kv.v.shape[0]))
-    ppos = jnp.pad(jnp.where(pmask, positions, -1), ((0, 0), (0, extra)), constant_values=-1)
-    return pk, pv, ppos, jnp.sum(pmask, -1, dtype=jnp.int32), h[:, -1]
+    plen = jnp.sum(pmask, -1, dtype=jnp.int32)
+    src = jnp.minimum(jnp.arange(width, dtype=jnp.int32)[None, :] + (tp - plen)[:, None], tp - 1)   # [P, Tc]
+
+    def align(x):   # [P, Tp, K, D] -> [P, Tc, K, D]
+        return jnp.take_along_axis(x, src[:, :, None, None], axis=1)
+
+    pk = tuple(align(k).transpose(0, 2, 3, 1) for k in kv.k)
+    pv = tuple(align(v).transpose(0, 2, 1, 3) for v in kv.v)
+    return pk, pv, plen, h[:, -1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
@@ -234,7 +207,7 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
                          f"{mcfg.max_position_embeddings} learned positions")
     split = _prompt_split(rows, p)
     prompt_ids, prompt_mask = split(prompt_ids), split(prompt_mask)
-    pk, pv, ppos, plen, h = jax.tree.map(split, _prefill(model, prompt_ids, prompt_mask, width))
+    pk, pv, plen, h = jax.tree.map(split, _prefill(model, prompt_ids, prompt_mask, width))
     logits = jnp.repeat(model.head(h).astype(jnp.float32), g, axis=0)   # [B, V]
     u = None if config.is_greedy else row_uniforms(key, b, n)
     tok0, lp, slp = sample_rows(logits, None if u is None else u[:, 0].T[..., None], config)
@@ -242,20 +215,17 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     ended = jnp.any(tok0[:, None] == eos[None], -1) if config.eos_ids else jnp.zeros((b,), bool)
     needs = ~ended & (n > 1)
     order = jnp.nonzero(needs, size=b, fill_value=0)[0].astype(jnp.int32)
-    prompts = _Prompts(pk=pk, pv=pv, ppos=ppos, plen=plen, tok0=tok0, u=u, order=order,
-                       count=jnp.sum(needs, dtype=jnp.int32))
-    L, (_, K, D, _) = len(pk), pk[0].shape
-    c = width + n - 1
-    cache = SlotCache(pk=(), pv=(), gk=(jnp.zeros((slots, K, D, c), pk[0].dtype),) * L,
-                      gv=(jnp.zeros((slots, K, c, D), pv[0].dtype),) * L, pmask=jnp.zeros((slots, 0), bool),
-                      kpos=jnp.full((slots, c), -1, jnp.int32), qpos=jnp.zeros((slots,), jnp.int32))
+    prompts = _Prompts(pk=pk, pv=pv, plen=plen, tok0=tok0, u=u, order=order, count=jnp.sum(needs, dtype=jnp.int32))
+    _, K, D, _ = pk[0].shape
+    cache = SlotCache.zeros(slots, len(pk), K, D, width + n - 1, pk[0].dtype,
+                            paged=getattr(mcfg, "attention", None) == "splash")
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
                    tok=jnp.zeros((slots,), jnp.int32), t=zero, ptr=zero,
                    tokens=jnp.full((b, n), config.pad_id, jnp.int32).at[:, 0].set(tok0),
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
-    state = _constrain(_admit(prompts, state, slots, g, n), rows)
+    state = _constrain(_admit(prompts, state, slots, g), rows)
     return prompts, state, _busy(prompts, state)
 
 
@@ -272,7 +242,7 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
     def body(carry):
         k, st = carry
         refill = jnp.any(st.row < 0) & (st.ptr < prompts.count)
-        st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g, n), lambda s: s, st)
+        st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
         return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
 
     steps, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
@@ -305,8 +275,9 @@ def _programs(graphdef, config: SamplingConfig, g: int, s: int, width: int, chun
         def start(params, ids, mask, k):
             return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=s, width=width, rows=rows)
 
-        def step(params, prompts, state):
-            return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
+        def step(params, prompts, state):   # the decode's TPU kernel, placed on the mesh
+            with splash.on_mesh(None if rows is None else rows.mesh):
+                return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
 
         def finish(state):   # the Rollout, rows split as the round's rows are
             return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
@@ -356,7 +327,7 @@ def _drive_slots(programs, params, ids, mask, key, s: int, b: int, mesh):
         state, busy, _ = step(params, prompts, state)
         chunks += 1
         yield
-    shard = state.cache.gk[0].sharding
+    shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
     out, decode = finish(state)
     if spanning:

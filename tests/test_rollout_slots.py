@@ -96,12 +96,15 @@ def test_rows_ending_at_step_0_or_never(llama, g, slots, chunk):
     assert both[2] is ref and st[2] is None and st[0] == stats
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt2"])
-def test_sliding_window_and_learned_positions(family):
-    """Gemma 3 (a sliding window of 5 on alternate layers, shorter than the rows: the window is read off each
-    entry's position in the ring) and GPT-2 (learned positions), greedy and sampled, S = 2 of 6 rows."""
+@pytest.mark.parametrize("family,attention", [("gemma3_text", "auto"), ("gpt2", "auto"), ("gemma3_text", "splash")],
+                         ids=["gemma3", "gpt2", "gemma3_pages"])
+def test_sliding_window_and_learned_positions(family, attention):
+    """Gemma 3 (a sliding window of 5 on alternate layers, shorter than the rows: each slot's window ends at its own
+    position) and GPT-2 (learned positions), greedy and sampled, S = 2 of 6 rows. ``splash`` (the TPU choice, its
+    kernels interpreted here): the cache in the TPU kernel's pages layout, rows entering slots whose pages an
+    earlier row wrote."""
     extra = dict(sliding_window=5) if family == "gemma3_text" else {}
-    gd, p = _tiny(family, **extra)
+    gd, p = _tiny(family, attention=attention, **extra)
     ids, mask = left_pad(PROMPTS, pad_id=0, length=8)
     for kw in (dict(greedy=True), dict(temperature=1.0)):
         cfg = SamplingConfig(max_new_tokens=17, pad_id=0, eos_id=(7, 19), cache_bucket=8, **kw)

@@ -188,3 +188,44 @@ def test_a_program_over_the_hbm_is_a_figure_not_a_crash():
 
     mem = step_memory(RefusedToo(), arg)
     assert mem.exhausted and mem.peak == int(15.77 * 2 ** 30)
+
+
+@pytest.mark.parametrize("chips", [1, 2])
+def test_the_slot_samplers_decode_compiles_the_paged_kernel_for_tpu(chips):
+    """The slot sampler's decode program (one chunk of steps) compiled for v5e chips with ``attention: splash``: a
+    head dim of 128 runs JAX's Pallas paged attention kernel in every decode step (a Mosaic custom call in the
+    compiled program; on 2 chips under ``shard_map``, slots split); 64-wide heads keep ours (no kernel call)."""
+    code = ("import json, sys, numpy as np, jax\n"
+            "from flax import nnx\n"
+            "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+            "from mrl_jax import models, rollout_slots\n"
+            "from mrl_jax.mwra import tpu, row_sharding\n"
+            "from mrl_jax.rollout import SamplingConfig\n"
+            "from mrl_jax.models import splash\n"
+            f"mesh = Mesh(np.array(tpu.resolve('v5e-8').devices()[:{chips}]), ('data',))\n"
+            "rows, repl = row_sharding(mesh), NamedSharding(mesh, P())\n"
+            "out = {}\n"
+            "for hidden in (256, 128):\n"
+            "    m = models.abstract_model(models.tiny_config('llama', 300, hidden_size=hidden, num_heads=2,\n"
+            "                                                  num_kv_heads=1, attention='splash'))\n"
+            "    g, params = nnx.split(m)\n"
+            "    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl), params)\n"
+            "    cfg = SamplingConfig(max_new_tokens=24, eos_id=2, pad_id=0)\n"
+            "    ids = jax.ShapeDtypeStruct((2, 8), np.int32, sharding=repl)\n"
+            "    mask = jax.ShapeDtypeStruct((2, 8), np.bool_, sharding=repl)\n"
+            "    key = jax.eval_shape(lambda: jax.random.key(0))\n"
+            "    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=repl)\n"
+            "    with jax.default_device(mesh.devices.flat[0]), splash.on_mesh(mesh):\n"
+            "        start = jax.jit(lambda p, i, k_, s: rollout_slots._start(g, p, i, k_, s, cfg, num_samples=4,\n"
+            "                        slots=4, width=8, rows=rows))\n"
+            "        shapes = jax.eval_shape(start, params, ids, mask, key)[:2]\n"
+            "        c0 = start.lower(params, ids, mask, key).compile()\n"
+            "        pr, st = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,\n"
+            "                              c0.output_shardings[:2])\n"
+            "        chunk = jax.jit(lambda p, a, b: rollout_slots._chunk(g, p, a, b, cfg, 4, 8, 4, rows=rows))\n"
+            "        text = chunk.lower(params, pr, st).compile().as_text()\n"
+            "    out[hidden // 2] = {'paged': text.count('tpu_custom_call'), 'paged_cache': st.cache.paged}\n"
+            "print(json.dumps(out))\n")
+    out = _in_child(code)
+    assert out["128"]["paged_cache"] and out["64"]["paged_cache"], out
+    assert out["128"]["paged"] > 0 and out["64"]["paged"] == 0, out

@@ -15,10 +15,11 @@ from .decoder import DecoderForCausalLM
 from .factory import abstract_model, build_model, tiny_config, tiny_model
 from .gpt2 import GPT2LMHeadModel
 from .layers import CausalLM
+from .slot_cache import SlotCache
 from .llama import LlamaForCausalLM
 
 __all__ = [
-    "KVCache", "SampleCache", "attention", "default_positions", "make_mask", "resolve_attention",
+    "KVCache", "SampleCache", "SlotCache", "attention", "default_positions", "make_mask", "resolve_attention",
     "check_tokenizer_fits", "from_pretrained", "hf_state_dict", "read_config", "save_pretrained",
     "SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig",
     "abstract_model", "build_model", "tiny_config", "tiny_model",

@@ -12,6 +12,7 @@ from flax import struct
 
 from . import flash, splash
 from .flash import blockwise_attention
+from .slot_cache import SlotCache, attend_slots
 
 _NEG = -1e30  # finite: fully-masked rows (left-pad queries) give a uniform softmax, never NaN
 
@@ -245,7 +246,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
     cache None: the keys are the new tokens (S = T). A KVCache: the new k/v are written into
     ``cache`` layer ``layer`` at slots [cache_index, cache_index + T) (caller keeps cache_index + T <= S)
     and the queries attend over all S slots of that layer. A SampleCache (one decode step, T = 1): see
-    :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair. A PrefixMask (q, k, v [1, N, ., D] of the
+    :func:`_attend_shared`; ``mask`` is then its ``step_masks`` pair. A SlotCache (the slot sampler's decode step):
+    :func:`mrl_jax.models.slot_cache.attend_slots`, ``mask`` its ``step_masks``. A PrefixMask (q, k, v [1, N, ., D] of the
     prompt-shared layout): see :func:`_attend_prefix`.
     softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2 style).
     impl: "dense" (one float32 score array per layer), "blockwise" (:mod:`mrl_jax.models.flash`: online softmax
@@ -257,6 +259,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(cache, SlotCache):
+        return attend_slots(q, k, v, mask, scale, cache, layer, softcap, impl)
     if isinstance(cache, SampleCache):
         return _attend_shared(q, k, v, mask, scale, cache, layer, cache_index, softcap)
     if cache is not None:

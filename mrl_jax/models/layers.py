@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import CausalMask, KVCache, PrefixMask, SampleCache, default_positions
+from .slot_cache import SlotCache
 from .config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -172,7 +173,7 @@ class CausalLM(nnx.Module):
 
     def _masks(self, kv_mask, cache_index, T, cache=None):
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
-        if isinstance(cache, SampleCache):
+        if isinstance(cache, (SampleCache, SlotCache)):
             return {w: cache.step_masks(cache_index, w) for w in windows}
         return {w: CausalMask(kv_mask=kv_mask, offset=cache_index, num_queries=T, window=w) for w in windows}
 

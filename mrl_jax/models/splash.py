@@ -47,6 +47,11 @@ def on_mesh(mesh):
         _MESH.reset(token)
 
 
+def current_mesh():
+    """The `on_mesh` mesh of the calls being traced (None outside one)."""
+    return _MESH.get()
+
+
 def _per_device(fn, *args):
     """``fn(*args)`` (every arg and the output with rows leading) under ``shard_map`` on the `on_mesh` mesh."""
     mesh = _MESH.get()

@@ -125,8 +125,8 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     shardings = compiled.output_shardings[:2]
     prompts, state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     admit = rollout_slots.admit_count(S)
-    chunk = jax.jit(lambda p, pr, st: rollout_slots._chunk(pol.graphdef, p, pr, st, cfg, G, rollout_slots.CHUNK,
-                                                           admit, rows=rows),
+    chunk = jax.jit(on_mesh(mesh, lambda p, pr, st: rollout_slots._chunk(pol.graphdef, p, pr, st, cfg, G,
+                                                                          rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
     if first is None or second is None:

@@ -7,9 +7,9 @@ policy's update and sampler are lowered on abstract inputs of the round's shapes
 verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`).
 
 On a TPU topology ``model.attention: auto`` is the Pallas splash kernel (`mrl_jax.models.splash`) for the
-update's attention (the prompt-once-per-group layout and causal rows) and the sampler's prefill; a decode step
-keeps ours (its offset is known only at run time and its cache is the prompt-shared `SampleCache`, which the
-paged kernels do not read). The report names each policy's attention.
+update's attention (the prompt-once-per-group layout and causal rows) and the sampler's prefill, and the Pallas
+paged attention kernel for the sampler's decode steps (`mrl_jax.models.slot_cache`: layers without a sliding
+window whose head dim is a multiple of 128; ours for the rest). The report names each policy's attention.
 
     report = plan_for_topology(cfg, "v5e-8")
     print(report)          # per policy and chip: params, optimizer, reference, update / sampler peak, HBM, verdict
@@ -90,7 +90,8 @@ def _peak(step) -> str:
 
 def _attention_line(impl: str) -> str:
     if impl == "splash":
-        return "splash (Pallas TPU kernel) in the update and the prefill; decode steps ours"
+        return ("splash (Pallas TPU kernel) in the update and the prefill; decode steps: the paged attention kernel "
+                "(head dims of 128k, no sliding window), ours elsewhere")
     return f"ours ({impl}; model.attention is set) in the update, the prefill and decode"
 
 

@@ -1,0 +1,78 @@
+"""The slot sampler's cache (`mrl_jax.models.slot_cache`): its two layouts and the Pallas TPU paged attention
+kernel (TPU interpret mode on the CPU) against a float64 softmax over each slot's entries [0, qpos]."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mrl_jax.models.slot_cache import PAGE, SlotCache, _paged_kernel, attend_slots
+
+
+def _reference(q, keys, values, qpos, scale, softcap, window):
+    """q [S, H, D], keys / values [S, C, K, D] (float64): each slot's query over entries [0, qpos]."""
+    S, H, D = q.shape
+    g = H // keys.shape[2]
+    out = np.zeros((S, H, D))
+    for s in range(S):
+        lo = 0 if window is None else max(0, qpos[s] - window + 1)
+        k, v = keys[s, lo:qpos[s] + 1], values[s, lo:qpos[s] + 1]
+        for h in range(H):
+            x = k[:, h // g] @ q[s, h] * scale
+            x = x if softcap is None else softcap * np.tanh(x / softcap)
+            p = np.exp(x - x.max())
+            out[s, h] = p @ v[:, h // g] / p.sum()
+    return out
+
+
+def _filled(paged: bool, S: int, K: int, D: int, C: int, rng, T: int = 5):
+    """A cache whose entries [0, T) came in through ``load`` and [T, C) through ``write`` (one step each, qpos
+    advancing), and the same entries as float64 [S, C, K, D]."""
+    keys, values = (rng.normal(size=(S, C, K, D)) for _ in range(2))
+    cache = SlotCache.zeros(S, 1, K, D, C, jnp.float32, paged=paged)
+    cache = cache.load(jnp.arange(S), (jnp.asarray(keys[:, :T].transpose(0, 2, 3, 1), jnp.float32),),
+                       (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),))
+    for e in range(T, C):
+        cache = cache.replace(qpos=jnp.full((S,), e, jnp.int32)).write(
+            0, jnp.asarray(keys[:, e:e + 1], jnp.float32), jnp.asarray(values[:, e:e + 1], jnp.float32))
+    return cache, keys, values
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["heads", "pages"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, 5.0)])
+def test_both_layouts_attend_over_each_slots_prefix(paged, window, softcap):
+    """S 3 slots at positions 0, 6 and C - 1 (the last entry), GQA 4 query heads over 2: a step's write lands at
+    its slot's own entry and the output is the softmax over that slot's entries [0, qpos] only."""
+    rng = np.random.default_rng(0)
+    S, K, H, D, C = 3, 2, 4, 8, 2 * PAGE
+    cache, keys, values = _filled(paged, S, K, D, C - 1, rng)
+    assert cache.length == (C if paged else C - 1)
+    qpos = np.array([0, 6, C - 2])
+    new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
+    keys[np.arange(S), qpos], values[np.arange(S), qpos] = new_k[:, 0], new_v[:, 0]
+    cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
+    out, cache = attend_slots(jnp.asarray(q, jnp.float32), jnp.asarray(new_k, jnp.float32),
+                              jnp.asarray(new_v, jnp.float32), cache.step_masks(None, window), 0.3, cache, 0,
+                              softcap, impl="splash")
+    ref = _reference(q[:, 0], keys, values, qpos, 0.3, softcap, window)
+    np.testing.assert_allclose(np.asarray(out)[:, 0], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-2), (jnp.bfloat16, 6e-2)])
+def test_the_tpu_paged_kernel_equals_the_reference_in_interpret_mode(dtype, atol):
+    """JAX's Pallas paged attention kernel (TPU interpret mode) over the pages layout: head dim 128 (the lanes it
+    lowers for), GQA 4 over 2, soft-capping, 6 slots of 4 pages each at lengths 1, 17, a page boundary, the
+    last entry. The kernel divides by an approximate reciprocal: ~1e-3 relative (a wrong page or length is O(1))."""
+    import jax.experimental.pallas.tpu as pltpu
+
+    rng = np.random.default_rng(1)
+    S, K, H, D, C = 6, 2, 4, 128, 4 * PAGE
+    cache, keys, values = _filled(True, S, K, D, C, rng)
+    qpos = np.array([0, 16, PAGE - 1, PAGE, 40, C - 1])
+    q = rng.normal(size=(S, 1, H, D))
+    ks = cache._slot_major(cache.k[0]).astype(dtype)
+    vs = cache._slot_major(cache.v[0]).astype(dtype)
+    with pltpu.force_tpu_interpret_mode():
+        out = jax.jit(lambda *a: _paged_kernel(*a, scale=D ** -0.5, softcap=4.0))(
+            jnp.asarray(q, dtype), ks, vs, jnp.asarray(qpos + 1, jnp.int32))
+    ref = _reference(q[:, 0], keys, values, qpos, D ** -0.5, 4.0, None)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:, 0], ref, atol=atol, rtol=atol)
