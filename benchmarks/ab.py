@@ -11,6 +11,7 @@ built once by this checkout's code (assets, prompts, keys, arrays), and each sid
 
 - ``trl``: ``bench_trl._run_ours`` (rollout + decode + reward + update per GRPO step), seconds per step;
 - ``rollout``: one ``rollout.generate`` call of ``bench_rollout``'s fixed-length llama cases;
+- ``slots``: the same cases through ``rollout_slots.generate_slots`` at S = every row and S = a quarter of them;
 - ``update``: ``learner.make_update_step`` on a Qwen2 (h 128, 4 layers, V 512), 8 prompts x 8 samples of 16 + 32
   ragged tokens, probe ``none`` and probe ``sgt`` with 32 peer slots (one filled per prompt); the loss must match;
 - ``see_add``: ``see.add`` of 256 entries at the demo's SEE shape (capacity 2048), 10 % and 50 % successes; the
@@ -135,30 +136,57 @@ def _rollout_prepare(head: Side, root: Path, quick: bool) -> dict:
     return cases
 
 
+def _rollout_cases(side: Side, work: dict):
+    """(name, graphdef, params, SamplingConfig, ids, mask, G) of each case, the model loaded by ``side``'s library
+    (once per side)."""
+    import jax
+    from flax import nnx
+
+    models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.rollout")
+    for name, case in work.items():
+        if side.name not in case:
+            case[side.name] = nnx.split(models.from_pretrained(case["dir"]))
+        s = case["spec"]
+        cfg = rollout.SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=None, pad_id=0)
+        yield (name, *case[side.name], cfg, jax.numpy.asarray(case["ids"]), jax.numpy.asarray(case["mask"]),
+               s.get("samples", 1))
+
+
+def _timed(call):
+    """(seconds of the second call, its output)."""
+    call()
+    t0 = time.perf_counter()
+    r = call()
+    return time.perf_counter() - t0, r
+
+
 def _rollout_measure(side: Side, work: dict) -> dict:
     out = {}
     with side.active():
         import jax
-        from flax import nnx
 
-        models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.rollout")
-        for name, case in work.items():
-            if side.name not in case:
-                case[side.name] = nnx.split(models.from_pretrained(case["dir"]))
-            graphdef, params = case[side.name]
-            s, g = case["spec"], case["spec"].get("samples", 1)
-            cfg = rollout.SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0, eos_id=None, pad_id=0)
-            ids, mask = jax.numpy.asarray(case["ids"]), jax.numpy.asarray(case["mask"])
+        rollout = side.module("mrl_jax.rollout")
+        for name, graphdef, params, cfg, ids, mask, g in _rollout_cases(side, work):
             extra = {"num_samples": g} if g > 1 else {}
+            seconds, r = _timed(lambda: jax.block_until_ready(rollout.generate(graphdef, params, ids, mask,
+                                                                               jax.random.key(0), cfg, **extra)))
+            out[f"rollout_{name}"] = (seconds, _digest([r.tokens, r.mask]))
+    return out
 
-            def call():
-                return jax.block_until_ready(rollout.generate(graphdef, params, ids, mask, jax.random.key(0), cfg,
-                                                              **extra))
 
-            call()
-            t0 = time.perf_counter()
-            r = call()
-            out[f"rollout_{name}"] = (time.perf_counter() - t0, _digest([r.tokens, r.mask]))
+# ---- slots: the same cases through the slot sampler, S = every row and a quarter of the rows
+def _slots_measure(side: Side, work: dict) -> dict:
+    out = {}
+    with side.active():
+        import jax
+
+        slots = side.module("mrl_jax.rollout_slots")
+        for name, graphdef, params, cfg, ids, mask, g in _rollout_cases(side, work):
+            rows = ids.shape[0] * g
+            for s in (rows, max(1, rows // 4)):
+                seconds, (r, _) = _timed(lambda: slots.generate_slots(graphdef, params, ids, mask, jax.random.key(0),
+                                                                      cfg, num_samples=g, slots=s))
+                out[f"slots_{name}_S{s}"] = (seconds, _digest([r.tokens, r.mask]))
     return out
 
 
@@ -307,6 +335,7 @@ def _round_measure(side: Side, w: dict) -> dict:
 
 
 CASES = {"trl": Case(_trl_prepare, _trl_measure), "rollout": Case(_rollout_prepare, _rollout_measure),
+         "slots": Case(_rollout_prepare, _slots_measure),
          "update": Case(_update_prepare, _update_measure), "see_add": Case(_see_prepare, _see_measure),
          "round": Case(_round_prepare, _round_measure, lambda w: w["stack"].close())}
 
