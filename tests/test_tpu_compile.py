@@ -215,7 +215,7 @@ def test_the_slot_samplers_decode_compiles_the_paged_kernel_for_tpu(chips):
             "    mask = jax.ShapeDtypeStruct((2, 8), np.bool_, sharding=repl)\n"
             "    key = jax.eval_shape(lambda: jax.random.key(0))\n"
             "    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=repl)\n"
-            "    with jax.default_device(mesh.devices.flat[0]), splash.on_mesh(mesh):\n"
+            "    with splash.on_mesh(mesh):\n"
             "        start = jax.jit(lambda p, i, k_, s: rollout_slots._start(g, p, i, k_, s, cfg, num_samples=4,\n"
             "                        slots=4, width=8, rows=rows))\n"
             "        shapes = jax.eval_shape(start, params, ids, mask, key)[:2]\n"
