@@ -237,7 +237,7 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
     global _TRACES
     _TRACES += 1
     model = nnx.merge(graphdef, params)
-    g, n = num_samples, config.max_new_tokens
+    g = num_samples
 
     def body(carry):
         k, st = carry

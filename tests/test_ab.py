@@ -27,5 +27,5 @@ def test_see_add_case_runs_both_sides_of_the_same_revision_alike(monkeypatch):
 
 
 def test_unknown_case_is_one_line():
-    with pytest.raises(SystemExit, match="unknown --case 'nope'; choose from trl, rollout, update, see_add, round"):
+    with pytest.raises(SystemExit, match="unknown --case 'nope'; choose from trl, rollout, slots, update, see_add, round"):
         ab.run("HEAD", ("nope",))
