@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 from flax import nnx
@@ -12,7 +14,7 @@ from jax.sharding import Mesh
 import worker_result
 from mrl_jax import models, mwra
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import generate_slots
+from mrl_jax.rollout_slots import _chunk, _start, generate_slots
 from mrl_jax.trainer.placement import pad_prompts
 
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -43,10 +45,22 @@ def main() -> dict:
             "sampling_logprob_diff": float(np.abs(out.sampling_logprobs[:b] - ref.sampling_logprobs).max()),
             "slots": stats["slots"],
             "slot_devices": stats["slot_devices"],
+            "gathered_keys": gathered_keys(gd, params, pids, pmask, key, cfg, mesh, stats["slots"]),
             "sharded_params": sum(len(x.sharding.device_set) == d and not x.sharding.is_fully_replicated
                                   for x in jax.tree.leaves(params)),
         }
     return res
+
+
+def gathered_keys(gd, params, ids, mask, key, cfg, mesh, slots: int) -> int:
+    """All-gathers of float arrays of 3 or more dims (a step's keys / values [S, K, D], the cache) in the compiled
+    decode chunk on ``mesh``: the cache write should keep every slot's entry on its device."""
+    rows, repl = mwra.row_sharding(mesh), mwra.REPLICATED
+    put = lambda x: mwra.put(x, jax.sharding.NamedSharding(mesh, repl))   # noqa: E731
+    prompts, state, _ = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=3, slots=slots, width=8,
+                                                          rows=rows))(params, put(ids), put(mask), put(key))
+    text = jax.jit(lambda p, a, b: _chunk(gd, p, a, b, cfg, 3, 4, 4, rows=rows)).lower(params, prompts, state)
+    return len(re.findall(r"= f32\[\d+,\d+,\d+[\d,]*\]\S* all-gather\(", text.compile().as_text()))
 
 
 if __name__ == "__main__":

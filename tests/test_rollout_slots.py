@@ -141,7 +141,7 @@ def test_one_decode_program_whatever_the_lengths(llama):
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
     """On 4 forced CPU devices (3 prompts padded to 4, 12 rows in S = 5 -> 8 slots; FSDP-sharded params) and on 3
     (9 rows, 9 slots), under ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static
-    sampler's and the slots are split over the devices."""
+    sampler's, the slots are split over the devices, and a decode step's cache write moves no keys between them."""
     import subprocess
     import sys
     from pathlib import Path
@@ -161,6 +161,7 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
         assert c["tokens_equal"] and c["mask_equal"] and c["truncated_equal"], (d, c)
         assert c["logprob_diff"] <= 1e-5 and c["sampling_logprob_diff"] <= 1e-5, (d, c)
         assert c["slots"] % int(d) == 0 and c["slot_devices"] == int(d), (d, c)
+        assert c["gathered_keys"] == 0, (d, c)   # each slot's cache write stays on its device
     assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
 
 

@@ -102,14 +102,21 @@ class SlotCache:
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at entry ``qpos`` of every slot, in layer ``layer``."""
-        s = jnp.arange(self.slots)
         k, v = k[:, 0].astype(self.k[layer].dtype), v[:, 0].astype(self.v[layer].dtype)   # [S, K, D]
-        if self.paged:
-            nk = self._pages(self._slot_major(self.k[layer]).at[:, s, self.qpos].set(k.swapaxes(0, 1)))
-            nv = self._pages(self._slot_major(self.v[layer]).at[:, s, self.qpos].set(v.swapaxes(0, 1)))
-        else:
-            nk = self.k[layer].at[s, :, :, self.qpos].set(k)
-            nv = self.v[layer].at[s, :, self.qpos].set(v)
+
+        # one slot's entry, vmapped over the slots: a scatter batched over the slot dim, which a mesh splitting the
+        # slots updates in place (an index scatter all-gathers the step's keys and positions, twice per layer)
+        def put(axis, slot_axis=0):
+            def one(x, new, pos):
+                return jax.lax.dynamic_update_slice_in_dim(x, jnp.expand_dims(new, axis), pos, axis)
+            return jax.vmap(one, in_axes=(slot_axis, 0, 0), out_axes=slot_axis)
+
+        if self.paged:   # slot-major view [K, S, C, D]: one slot's [K, C, D], the entry on axis 1
+            nk = self._pages(put(1, 1)(self._slot_major(self.k[layer]), k, self.qpos))
+            nv = self._pages(put(1, 1)(self._slot_major(self.v[layer]), v, self.qpos))
+        else:            # one slot's keys [K, D, C] (entry on axis 2), values [K, C, D] (axis 1)
+            nk = put(2)(self.k[layer], k, self.qpos)
+            nv = put(1)(self.v[layer], v, self.qpos)
         return self.replace(k=_set(self.k, layer, nk), v=_set(self.v, layer, nv))
 
     def constrain(self, rows: Optional[NamedSharding]) -> "SlotCache":
