@@ -157,7 +157,9 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     n, b = config.max_new_tokens, p.tok0.shape[0]
     live = st.row >= 0
     r, i = jnp.maximum(st.row, 0), jnp.minimum(st.step, n - 1)
-    qpos = p.plen[r // g] + i - 1   # a free slot feeds row 0's step: its entries are rewritten before a row reads them
+    # a free slot feeds row 0's token at position 0: it writes its own entry 0 (rewritten when a row enters) and
+    # attends over that one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length
+    qpos = jnp.where(live, p.plen[r // g] + i - 1, 0)
     logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], st.cache.replace(qpos=qpos), 0)
     u = None if p.u is None else p.u[r, i].T[..., None]
     tok, lp, slp = sample_rows(logits[:, -1], u, config)

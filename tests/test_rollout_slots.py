@@ -138,6 +138,26 @@ def test_one_decode_program_whatever_the_lengths(llama):
         generate_slots(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, slots=3, width=8)
 
 
+def test_a_free_slot_attends_over_one_entry(llama):
+    """Once the queue is empty, a slot left free runs its step at position 0 (length 1: the TPU kernel reads one
+    page of it, not the length of the row that left it); a live slot at its row's position. One step per call."""
+    from mrl_jax.rollout_slots import _chunk, _start
+
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), temperature=1.0)
+    prompts, st, busy = _start(g, p, ids, mask, jax.random.key(21), cfg, num_samples=4, slots=5, width=8)
+    plen, idle = np.asarray(mask).sum(-1), 0
+    while bool(busy):
+        row, step, drained = np.asarray(st.row), np.asarray(st.step), int(st.ptr) == int(prompts.count)
+        st, busy, _ = _chunk(g, p, prompts, st, cfg, 4, 1, 2)
+        qpos = np.asarray(st.cache.qpos)
+        if drained:   # nothing admitted at this step: the slots free before it stayed free through it
+            idle += int((row < 0).sum())
+            np.testing.assert_array_equal(qpos[row < 0], 0)
+            live = row >= 0
+            np.testing.assert_array_equal(qpos[live], plen[row[live] // 4] + step[live] - 1)
+    assert idle > 0
+
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
     """On 4 forced CPU devices (3 prompts padded to 4, 12 rows in S = 5 -> 8 slots; FSDP-sharded params) and on 3
     (9 rows, 9 slots), under ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static
