@@ -52,7 +52,7 @@ from mrl_jax.models.slot_cache import SlotCache
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
-__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count"]
+__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
@@ -337,6 +337,15 @@ def _drive_slots(programs, params, ids, mask, key, s: int, b: int, mesh):
     out, decode = jax.device_get((out, decode))
     return out, {"row_steps": b + s * int(decode), "decode_steps": int(decode), "chunks": chunks, "slots": s,
                  "slot_devices": split}
+
+
+def min_row_steps(lengths, slots: int) -> int:
+    """The fewest row-steps (``stats["row_steps"]``) any sampler of ``slots`` fixed slots can take for rows of kept
+    ``lengths`` (int[B], token 0 from the prefill): step 0 of every row, then S row-steps per decode step, and at
+    least max(L) - 1 decode steps (the longest row) and sum(L - 1) / S (the work). A long tail makes the first
+    dominate: S * (max(L) - 1) / sum(L) row-steps per kept token at least."""
+    need = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
+    return int(need.size + slots * max(int(need.max(initial=0)), -(-int(need.sum()) // slots)))
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:
