@@ -55,3 +55,18 @@ def jax_compile_cache():
     restore = support.enable_compile_cache()
     yield
     restore()
+
+
+if os.environ.get("MRL_TEST_COMPILE_REPORT"):
+    # MRL_TEST_COMPILE_REPORT=FILE: one JSON line per test -- XLA programs this process compiled during it and their
+    # seconds (child processes not counted) -- to find the tests that pay for compiles (the suite's time).
+    @pytest.fixture(autouse=True)
+    def _compile_report(request):
+        import json
+
+        from mrl_jax.compile_stats import CompileCounter
+
+        with CompileCounter() as cc:
+            yield
+        with open(os.environ["MRL_TEST_COMPILE_REPORT"], "a") as f:
+            f.write(json.dumps({"test": request.node.nodeid, **cc.summary()}) + "\n")
