@@ -275,7 +275,9 @@ def run_demo(out_dir: str | Path, *, quick: bool = False, num_seeds: int | None 
             runs = {p: Run(demo_config(p, s, seed), task=task) for p in probes}
             first = runs[probes[0]]
             params = first.warm_params()   # the configs' warm start, the same for every probe: done once
-            warm_state = RunState(policies=tuple(PolicyState(params=p, opt_state=None) for p in params), see=None)
+            # on the runs' meshes, as their evaluations see params: the same sampler programs, compiled once
+            warm_state = first.place(RunState(policies=tuple(PolicyState(params=p, opt_state=None) for p in params),
+                                              see=None))
             warm_eval.append(_evaluate(first, warm_state, eval_sets))
             print(f"[demo] seed {seed} warm start: {warm_eval[-1]}", flush=True)
             for probe in probes:

@@ -10,31 +10,42 @@ from mrl_jax.demo import _verdict
 REPO = Path(__file__).resolve().parents[1]
 # run_demo in a fresh process: an xdist worker that had imported torch (other modules' parity tests) segfaulted
 # twice inside XLA:CPU while this test compiled (once in backend_compile_and_load, once in deserialize_executable);
-# a process with jax alone is what `mrl demo` runs in
+# a process with jax alone is what `mrl demo` runs in; like `mrl demo`, it keeps a persistent compilation cache (its
+# own, used by it alone): the second probe's runs load the programs the first compiled
 TINY_DEMO = """
 import json, sys
+from mrl_jax import compile_cache
 from mrl_jax.demo import DemoSettings, run_demo
-from mrl_jax.trainer import run as run_mod
+import jax
+from mrl_jax.trainer import evaluation, run as run_mod
 
 lrs, real = [], run_mod.warm_start
 run_mod.warm_start = lambda *a, **kw: lrs.append(kw["learning_rate"]) or real(*a, **kw)
+evals, generate = set(), evaluation.mesh_generate   # the params' sharding of every evaluation, per policy
+evaluation.mesh_generate = lambda pol, params, *a, **kw: evals.add(
+    (pol.name, repr(jax.tree.leaves(params)[0].sharding))) or generate(pol, params, *a, **kw)
 s = DemoSettings(seeds=1, rounds=2, prompts_per_round=8, num_generations=4, sft_steps=3, num_facts=8,
                  eval_copy_prompts=8, eval_every=1, sft_learning_rate=2e-3)
+compile_cache.enable(sys.argv[2])
 summary = run_demo(sys.argv[1], probes=["none", "sgt"], settings=s)
-print(json.dumps({"lrs": lrs, "round_time_split_s": summary["round_time_split_s"]}))
+print(json.dumps({"lrs": lrs, "round_time_split_s": summary["round_time_split_s"], "eval_shardings": sorted(evals)}))
 """
 
 
 def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", TINY_DEMO, str(tmp_path)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-c", TINY_DEMO, str(out), str(tmp_path / "jax_cache")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the warm start's evaluation samples from params on the runs' meshes, as theirs do: one sampler program each
+    names = [name for name, _ in summary["eval_shardings"]]
+    assert sorted(set(names)) == sorted(names) == ["gpt2-unigram", "llama-bpe"], summary["eval_shardings"]
     assert summary["lrs"] == [2e-3, 2e-3]   # the runs' warm start (WarmStartSpec), once per policy and seed, shared by the probes
     for name in ("summary.json", "summary.md", "curves.png", "success.png"):
-        assert (tmp_path / name).stat().st_size > 0
-    on_disk = json.loads((tmp_path / "summary.json").read_text())
+        assert (out / name).stat().st_size > 0
+    on_disk = json.loads((out / "summary.json").read_text())
     assert set(on_disk["probes"]) == {"none", "sgt"}
     for probe, entry in on_disk["probes"].items():
         assert set(entry) == {"llama-bpe", "gpt2-unigram"}
@@ -52,7 +63,7 @@ def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     assert "sgt/rows_fired" in on_disk["probes"]["sgt"]["llama-bpe"]["counters"]
     assert "sgt/rows_fired" not in on_disk["probes"]["none"]["llama-bpe"]["counters"]
     assert summary["round_time_split_s"]["update"] > 0
-    assert "| sgt |" in (tmp_path / "summary.md").read_text()
+    assert "| sgt |" in (out / "summary.md").read_text()
 
 
 def _entry(own, foreign, std=0.0):
