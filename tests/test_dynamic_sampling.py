@@ -45,7 +45,7 @@ def _loss_and_grad(rows, probe, cfg):
             return lp, jnp.zeros_like(lp)
         return objective.objective(logp_fn, rows, None, jax.random.key(0), probe, cfg)[0]
     theta = jnp.linspace(-1.0, 1.0, V)
-    return jax.value_and_grad(loss)(theta)
+    return jax.jit(jax.value_and_grad(loss))(theta)   # one program, not one per op
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])

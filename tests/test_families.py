@@ -160,7 +160,8 @@ def test_sampler_cache_equals_full_forward(family):
     out = generate(g, p, ids, mask, jax.random.key(2), SamplingConfig(max_new_tokens=6, pad_id=0), num_samples=2)
     rids, rmask = np.repeat(np.asarray(ids), 2, 0), np.repeat(np.asarray(mask), 2, 0)
     seq = np.concatenate([rids, np.asarray(out.tokens)], 1)
-    full = np.asarray(nnx.merge(g, p)(seq, attention_mask=np.concatenate([rmask, np.ones_like(out.mask)], 1)))
+    forward = jax.jit(lambda p, seq, m: nnx.merge(g, p)(seq, attention_mask=m))   # one program, not one per op
+    full = np.asarray(forward(p, seq, np.concatenate([rmask, np.ones_like(out.mask)], 1)))
     lp = jax.nn.log_softmax(full[:, 6:6 + out.tokens.shape[1]], -1)
     lp = np.take_along_axis(np.asarray(lp), np.asarray(out.tokens)[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(out.logprobs), lp, atol=2e-4)

@@ -226,8 +226,8 @@ def test_hidden_prefix_equals_the_repeated_prompt_rows_with_gradients(family, ex
         h = nnx.merge(graphdef, p).hidden(ids, attention_mask=jnp.concatenate([jnp.repeat(pm, M, 0), cm > 0], 1))
         return jnp.sum(h[:, Tp:] * w) + jnp.sum(h[::M, Tp - 1] * w[::M, 0]), (h[::M, Tp - 1], h[:, Tp:])
 
-    (l1, (hl, hc)), g1 = jax.value_and_grad(shared, has_aux=True)(params)
-    (l2, (rl, rc)), g2 = jax.value_and_grad(repeated, has_aux=True)(params)
+    (l1, (hl, hc)), g1 = jax.jit(jax.value_and_grad(shared, has_aux=True))(params)   # jitted: one program each
+    (l2, (rl, rc)), g2 = jax.jit(jax.value_and_grad(repeated, has_aux=True))(params)
     np.testing.assert_allclose(np.asarray(hl), np.asarray(rl), atol=1e-5)
     np.testing.assert_allclose(np.asarray(hc * cm[..., None]), np.asarray(rc * cm[..., None]), atol=1e-5)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)

@@ -45,7 +45,7 @@ def _toy(level: str):
             return lp, jnp.zeros_like(lp)
         return objective.objective(logp_fn, rows, view, KEY, probe, cfg)[0]
 
-    g = -jax.grad(loss)(jnp.zeros((2, 2)))
+    g = -jax.jit(jax.grad(loss))(jnp.zeros((2, 2)))
     allr = np.concatenate([[0.0], np.asarray(r)])
     return float(g[0, 1]), float(np.std(allr, ddof=1) + 1e-4), float(S + 1)
 
@@ -152,18 +152,17 @@ def _batch(P=2, G=4, T=4, seed=0):
 def test_bnpo_is_trls_local_token_mean(tiny):
     gd, params = tiny
     batch, view = _batch(), see.empty_view(2, 1, 4, 4, 2)
-    grads = lambda lt, mb: make_grad_fn(gd, "none", GRPOConfig(num_generations=4, max_completion_length=4,
-                                                               loss_type=lt), mb)(params, batch, view, KEY)[1]
+    cfg = lambda lt: GRPOConfig(num_generations=4, max_completion_length=4, loss_type=lt)
+    grads = lambda lt, mb: make_grad_fn(gd, "none", cfg(lt), mb, jit=True)(params, batch, view, KEY)[1]
     close = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), a, b)
     close(grads("bnpo", 0), grads("dapo", 0))                           # one micro-batch: the same
     # two micro-batches (4 rows each, 8 vs 16 tokens): mean of the per-micro-batch token means
-    cfg = GRPOConfig(num_generations=4, max_completion_length=4, loss_type="dapo")
-    parts = [make_grad_fn(gd, "none", cfg)(params, batch.take(a, a + 4).replace(num_prompts=1),
-                                           see.empty_view(1, 1, 4, 4, 2), KEY)[1] for a in (0, 4)]
-    expect = jax.tree.map(lambda a, b: (a + b) / 2, *parts)
-    close(grads("bnpo", 4), expect)
-    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads("bnpo", 4)),
-                                                             jax.tree.leaves(grads("dapo", 4))))
+    one_prompt = make_grad_fn(gd, "none", cfg("dapo"), jit=True)
+    parts = [one_prompt(params, batch.take(a, a + 4).replace(num_prompts=1), see.empty_view(1, 1, 4, 4, 2), KEY)[1]
+             for a in (0, 4)]
+    bnpo = grads("bnpo", 4)
+    close(bnpo, jax.tree.map(lambda a, b: (a + b) / 2, *parts))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(bnpo), jax.tree.leaves(grads("dapo", 4))))
     assert diff > 1e-6                                                  # not dapo any more
 
 
@@ -179,8 +178,8 @@ def test_trl_named_metrics_cover_own_tokens_only(tiny):
         row_kind=jnp.full((P * K,), probes.PEER, jnp.int32),
         peer_stats=jnp.zeros((P, 2, 4)).at[:, 1].set(jnp.asarray([[2, 1, 1, 1], [2, 2, 2, 2]], jnp.float32)))
     cfg = GRPOConfig(num_generations=G, max_completion_length=T, beta=0.1)
-    m_none = make_grad_fn(gd, "none", cfg)(params, batch, view, KEY)[2]
-    m_prp = make_grad_fn(gd, "prp", cfg)(params, batch, view, KEY)[2]
+    m_none = make_grad_fn(gd, "none", cfg, jit=True)(params, batch, view, KEY)[2]
+    m_prp = make_grad_fn(gd, "prp", cfg, jit=True)(params, batch, view, KEY)[2]
     assert float(m_prp["prp/rows"]) == P * K
     for k in ("kl", "ratio_mean", "entropy"):     # clip ratios differ: PRP pools the own advantages
         np.testing.assert_allclose(float(m_prp[k]), float(m_none[k]), rtol=1e-5, atol=1e-7, err_msg=k)
