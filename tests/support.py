@@ -266,11 +266,12 @@ def child_main(spec_path: str) -> int:
 
 def run_child(config: dict, out: str | Path, *, resume: bool = False, rewards: dict | None = None,
               kill_in_save: int | None = None, kill_after_round: int | None = None, kill_delay_s: float = 0.0,
-              kill_after_save: int | None = None, timeout_s: float = 900.0) -> dict:
+              kill_after_save: int | None = None, timeout_s: float = 900.0, cache_dir: str | Path | None = None) -> dict:
     """``train`` in a fresh Python process; optionally SIGKILL it from outside ``kill_delay_s`` after the
     checkpoint of a round >= ``kill_after_round`` is complete (so it dies computing a later round or writing
     its checkpoint), or from inside: in a checkpoint write (``kill_in_save``) or as soon as the checkpoint of
-    that round is complete (``kill_after_save``). Returns ``{"returncode", "killed",
+    that round is complete (``kill_after_save``). ``cache_dir``: the child's persistent compilation cache (for
+    children run one after another, as a user's ``mrl`` runs share theirs). Returns ``{"returncode", "killed",
     "wall_s", "stderr"}`` (returncode -9: killed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,6 +280,8 @@ def run_child(config: dict, out: str | Path, *, resume: bool = False, rewards: d
     spec_path = out.parent / f".{out.name}.child.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, JAX_PLATFORMS="cpu", **compile_cache_env())
+    if cache_dir is not None:
+        env["MRL_TEST_XLA_CACHE"] = str(cache_dir)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     stderr_path = out.parent / f".{out.name}.child.stderr"
     t0 = time.perf_counter()

@@ -2,9 +2,10 @@
 and retention, failing rewards, guarded updates, and clear errors for bad input.
 
 Every run is the tiny two-policy config (experiments/configs/tiny_two_policy.yaml: Llama + byte-level BPE,
-GPT-2 + Unigram, hidden 32, one layer, 4 prompts x 4 generations, 6 new tokens) with the same shapes, and a
-persistent XLA compilation cache (tests/support.py: ``compile_cache_dir``) shared with the child processes,
-so a computation is compiled once per session and a fresh ``train`` (or process) loads it.
+GPT-2 + Unigram, hidden 32, one layer, 4 prompts x 4 generations, 6 new tokens) with the same shapes. The runs
+that are compared bit for bit (the reference, the resumed and the killed ones) run in child processes one after
+another, sharing the module's persistent compilation cache as a user's ``mrl`` runs share theirs: the first
+compiles, the others load.
 """
 
 import json
@@ -67,10 +68,32 @@ def arrays_equal(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def child_cache(tmp_path_factory):
+    """The compilation cache of this module's child runs (one at a time)."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def child(out, child_cache, **kw) -> dict:
+    """``train`` of the base config (``rounds`` etc. as keyword overrides) in a child process with the digit reward;
+    ``resume`` / ``kill_*`` as ``support.run_child``."""
+    run = {k: kw.pop(k) for k in list(kw) if k in ("resume", "kill_after_round", "kill_after_save", "kill_in_save")}
+    return support.run_child(support.tiny_config(**base_overrides(**kw)), out, rewards=SIGNAL, cache_dir=child_cache,
+                             **run)
+
+
+def resumed(out, child_cache) -> dict:
+    """Resume ``out`` to ROUNDS rounds in a child; its summary.json."""
+    res = child(out, child_cache, resume=True)
+    assert res["returncode"] == 0, res["stderr"]
+    return dict(json.loads((out / "summary.json").read_text()), stderr=res["stderr"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, child_cache):
     """An uninterrupted run of ROUNDS rounds, a checkpoint every round, keep 2."""
     out = tmp_path_factory.mktemp("reference")
-    train(cfg_of(**base_overrides()), out, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    res = child(out, child_cache)
+    assert res["returncode"] == 0, res["stderr"]
     return out
 
 
@@ -89,47 +112,45 @@ def test_reference_run_writes_everything_and_keeps_k(reference):
     assert all(r["skipped"] == 0.0 for r in records)
 
 
-def test_resume_continues_rounds_and_metrics_bit_identically(reference, tmp_path):
+def test_resume_continues_rounds_and_metrics_bit_identically(reference, tmp_path, child_cache):
     out = tmp_path / "run"
-    train(cfg_of(**base_overrides(rounds=2)), out, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    assert child(out, child_cache, rounds=2)["returncode"] == 0
     assert support.checkpoint_rounds(out) == [0, 1]
-    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
-                    progress=False)
-    assert summary["resumed_from"] == 1
+    assert resumed(out, child_cache)["resumed_from"] == 1
     assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
     assert support.checkpoint_rounds(out) == [2, 3]
 
 
-def test_sigkill_mid_run_then_resume_equals_uninterrupted(reference, tmp_path):
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(reference, tmp_path, child_cache):
     out = tmp_path / "killed"
-    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_round=1)
+    res = child(out, child_cache, kill_after_round=1)
     assert res["killed"] and res["returncode"] == -9, res
     ckpt = RunCheckpointer(out)
     latest = ckpt.latest_round()
     ckpt.close()
     assert latest is not None and 1 <= latest < ROUNDS - 1  # killed with rounds left to redo
-    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    resumed(out, child_cache)
     assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
 
 
-def test_sigkill_right_after_checkpoint_keeps_every_record(reference, tmp_path):
+def test_sigkill_right_after_checkpoint_keeps_every_record(reference, tmp_path, child_cache):
     """Killed the moment round 1's checkpoint is complete: that round's held-out eval (eval_every 2) is already
     logged, so the resumed run's files equal the uninterrupted run's, eval rows included."""
     evals = [r["round"] for r in support.read_jsonl(reference / "metrics.jsonl") if r["policy"].endswith("/eval")]
     assert evals == [1, 1, 3, 3]
     out = tmp_path / "killed_after_save"
-    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_after_save=1)
+    res = child(out, child_cache, kill_after_save=1)
     assert res["returncode"] == -9, res
     assert support.checkpoint_rounds(out) == [0, 1]
-    train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL), progress=False)
+    resumed(out, child_cache)
     assert_same_as_reference(reference, out)
 
 
-def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp_path, capsys):
+def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp_path, child_cache):
     out = tmp_path / "killed_in_save"
-    res = support.run_child(support.tiny_config(**base_overrides()), out, rewards=SIGNAL, kill_in_save=2)
+    res = child(out, child_cache, kill_in_save=2)
     assert res["returncode"] == -9, res
     names = os.listdir(out / "checkpoints")
     assert any(n.startswith("2.") and "tmp" in n for n in names), names  # the partial write is there ...
@@ -137,10 +158,8 @@ def test_sigkill_inside_checkpoint_write_is_never_taken_as_latest(reference, tmp
     assert ckpt.latest_round() == 1  # ... but never the latest
     ckpt.close()
     assert support.last_logged_round(out) == 2  # round 2 was logged before its checkpoint write was killed
-    capsys.readouterr()
-    summary = train(cfg_of(**base_overrides()), out, resume=True, reward_specs=support.reward_specs(SIGNAL),
-                    progress=False)
-    assert "differs" not in capsys.readouterr().err  # same config: no "config differs" warning
+    summary = resumed(out, child_cache)
+    assert "differs" not in summary["stderr"]  # same config: no "config differs" warning
     assert summary["resumed_from"] == 1
     assert support.contiguity_problems(support.training_records(out), POLICIES, ROUNDS) == []
     assert_same_as_reference(reference, out)
