@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                             description="Exact and Monte Carlo analysis of the probes on a heterogeneous "
                             "contextual bandit. Writes summary.json, summary.md, plane.png and curves.png.")
     _add_out(bandit)
-    bandit.add_argument("--quick", action="store_true", help="small settings, about 2 minutes on 2 CPU cores (1.5 with a warm compilation cache)")
+    bandit.add_argument("--quick", action="store_true",
+                        help="small settings, about 2 minutes on 2 CPU cores (1.5 with a warm compilation cache)")
     bandit.add_argument("--seed", type=int, default=0, help="base random seed")
 
     bench = sub.add_parser("bench", help="benchmarks of every piece (see benchmarks/RESULTS.md); `mrl bench probes`: "
