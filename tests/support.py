@@ -266,7 +266,8 @@ def child_main(spec_path: str) -> int:
 
 def run_child(config: dict, out: str | Path, *, resume: bool = False, rewards: dict | None = None,
               kill_in_save: int | None = None, kill_after_round: int | None = None, kill_delay_s: float = 0.0,
-              kill_after_save: int | None = None, timeout_s: float = 900.0, cache_dir: str | Path | None = None) -> dict:
+              kill_after_save: int | None = None, timeout_s: float = 900.0,
+              cache_dir: str | Path | None = None) -> dict:
     """``train`` in a fresh Python process; optionally SIGKILL it from outside ``kill_delay_s`` after the
     checkpoint of a round >= ``kill_after_round`` is complete (so it dies computing a later round or writing
     its checkpoint), or from inside: in a checkpoint write (``kill_in_save``) or as soon as the checkpoint of
