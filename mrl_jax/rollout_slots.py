@@ -220,7 +220,7 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     prompts = _Prompts(pk=pk, pv=pv, plen=plen, tok0=tok0, u=u, order=order, count=jnp.sum(needs, dtype=jnp.int32))
     _, K, D, _ = pk[0].shape
     cache = SlotCache.zeros(slots, len(pk), K, D, width + n - 1, pk[0].dtype,
-                            paged=getattr(mcfg, "attention", None) == "splash")
+                            paged=getattr(mcfg, "attention", None) == "splash", span=config.cache_bucket)
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
                    tok=jnp.zeros((slots,), jnp.int32), t=zero, ptr=zero,
@@ -324,11 +324,22 @@ def _drive_slots(programs, params, ids, mask, key, s: int, b: int, mesh):
     yield
     spanning = jax.process_count() > 1 and mesh is not None
     here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
+
+    def left(flag):   # a scalar: every device of the mesh holds it
+        return bool(np.asarray(flag.addressable_data(0)))
+
     chunks = 0
-    while here and bool(np.asarray(busy.addressable_data(0))):   # a scalar: every device of the mesh holds it
+    if here and left(busy):
         state, busy, _ = step(params, prompts, state)
         chunks += 1
-        yield
+        while True:   # chunk k + 1 dispatched before chunk k's flag is read: the device never waits for the host
+            ahead, ahead_busy, _ = step(params, prompts, state)
+            yield
+            state = ahead   # the last one ran no step: chunk k had left no row
+            if not left(busy):
+                break
+            busy = ahead_busy
+            chunks += 1
     shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
     out, decode = finish(state)

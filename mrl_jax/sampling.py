@@ -61,7 +61,9 @@ class SamplingConfig:
         vocabulary (what the learner scores).
       cache_bucket: the smallest length bucket of the generated part of the cache (:func:`mrl_jax.rollout.gen_buckets`);
         each further bucket doubles it and adds one decode loop to the compiled program (compile time),
-        so the default keeps generations of <= 65 tokens in one loop.
+        so the default keeps generations of <= 65 tokens in one loop. The slot sampler's cache is cut in parts
+        at the same doubling (:func:`mrl_jax.models.slot_cache.spans`): a decode step reads the parts up to its
+        slots' furthest position.
     """
 
     max_new_tokens: int

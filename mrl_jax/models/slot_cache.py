@@ -5,8 +5,12 @@ token at position e of the row it decodes (its prompt, left-aligned, then its ge
 writes its token at entry ``qpos`` (its position) and attends over entries [0, qpos] (and the sliding window):
 a length per slot, no per-entry mask to keep. Two layouts of the same entries, per layer:
 
-* ``heads`` (CPU, GPU): keys [S, K, D, C], values [S, K, C, D]; heads-major, keys slot-minor, so the step's two
-  matmuls read the cache in place (as :class:`mrl_jax.models.SampleCache`).
+* ``heads`` (CPU, GPU): keys [S, K, D, w], values [S, K, w, D] in parts of w entries, the entries cut at
+  :func:`spans` ``(C)`` (64, 128, 256, ..., C); heads-major, keys slot-minor, so the step's two matmuls read the
+  cache in place (as :class:`mrl_jax.models.SampleCache`). A step reads only the parts up to the first span past
+  every slot's qpos (a ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads
+  short spans, as the static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a
+  sliced operand before a matmul: a slice per step cost more than the entries it saved).
 * ``pages`` (TPU): keys and values [K, S * C / PAGE, PAGE, D], slot s owning pages [s * C / PAGE, (s + 1) * C /
   PAGE): the layout of JAX's Pallas TPU paged attention kernel (``jax.experimental.pallas.ops.tpu.
   paged_attention``), which the step runs on TPU for a layer without a sliding window whose head dim is a multiple
@@ -20,31 +24,47 @@ pure-JAX path; not done.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 PAGE = 16          # tokens per page of the ``pages`` layout
 KERNEL_LANES = 128   # the paged kernel lowers for head dims that are multiples of this
+SPAN = 64          # the ``heads`` layout's first part, by default (:func:`spans`)
 _NEG = -1e30
+
+
+def spans(length: int, smallest: int = SPAN) -> tuple[int, ...]:
+    """Where the ``heads`` layout cuts a slot's ``length`` entries into parts: doubling from ``smallest``, the last
+    one ``length`` (64, 128, 256, 512, 543 for 543 entries)."""
+    out, w = [], int(smallest)
+    while w < length:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (int(length),)
 
 
 @struct.dataclass
 class SlotMask:
     """A decode step's mask over a SlotCache: visible bool[S, C] (entry e of slot s is seen: e <= qpos[s], and
-    e > qpos[s] - window); window: the layer's sliding window (static; None: none)."""
+    e > qpos[s] - window); span int32: how many of the cache's parts the step reads, less one (the first part end
+    past every qpos); window: the layer's sliding window (static; None: none)."""
 
     visible: jax.Array
+    span: jax.Array
     window: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
 class SlotCache:
-    """S slots x C entries per layer: k, v tuples of L arrays (layout: see the module docstring); qpos int32[S]
-    the position, hence the entry, of the token each slot feeds at this step; paged: the ``pages`` layout."""
+    """S slots x C entries per layer: k, v tuples of L layers, each (``heads``) a tuple of parts or (``pages``) one
+    array (layouts: see the module docstring); qpos int32[S] the position, hence the entry, of the token each slot
+    feeds at this step; paged: the ``pages`` layout."""
 
     k: tuple
     v: tuple
@@ -53,14 +73,17 @@ class SlotCache:
 
     @classmethod
     def zeros(cls, slots: int, layers: int, kv_heads: int, head_dim: int, length: int, dtype,
-              paged: bool = False) -> "SlotCache":
-        """An empty cache of at least ``length`` entries per slot (``pages``: rounded up to a whole page)."""
+              paged: bool = False, span: int = SPAN) -> "SlotCache":
+        """An empty cache of at least ``length`` entries per slot (``pages``: rounded up to a whole page);
+        ``heads``: in parts cut at ``spans(length, span)``."""
         if paged:
             n = -(-length // PAGE)
             k = v = jnp.zeros((kv_heads, slots * n, PAGE, head_dim), dtype)
         else:
-            k = jnp.zeros((slots, kv_heads, head_dim, length), dtype)
-            v = jnp.zeros((slots, kv_heads, length, head_dim), dtype)
+            ends = spans(length, span)
+            widths = [b - a for a, b in zip((0,) + ends, ends)]
+            k = tuple(jnp.zeros((slots, kv_heads, head_dim, w), dtype) for w in widths)
+            v = tuple(jnp.zeros((slots, kv_heads, w, head_dim), dtype) for w in widths)
         return cls(k=(k,) * layers, v=(v,) * layers, qpos=jnp.zeros((slots,), jnp.int32), paged=paged)
 
     @property
@@ -70,7 +93,12 @@ class SlotCache:
     @property
     def length(self) -> int:
         """C, entries per slot."""
-        return self.k[0].shape[1] * PAGE // self.slots if self.paged else self.k[0].shape[3]
+        return self.k[0].shape[1] * PAGE // self.slots if self.paged else sum(x.shape[3] for x in self.k[0])
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """The entry each part ends at (``pages``: one part)."""
+        return (self.length,) if self.paged else tuple(np.cumsum([x.shape[3] for x in self.k[0]]).tolist())
 
     def _slot_major(self, x):
         """A pages-layout array as [K, S, C, D] (a view: each slot owns consecutive pages)."""
@@ -86,7 +114,8 @@ class SlotCache:
         seen = e <= q
         if window is not None:
             seen = seen & (e > q - window)
-        return SlotMask(visible=seen, window=window)
+        span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(self.qpos), dtype=jnp.int32)   # its part
+        return SlotMask(visible=seen, span=span, window=window)
 
     def load(self, slots: jax.Array, keys: tuple, values: tuple) -> "SlotCache":
         """Rows entering ``slots`` (int32[a]; S drops the row): per layer their prompts' keys [a, K, D, T] and
@@ -97,12 +126,21 @@ class SlotCache:
                 return self._pages(self._slot_major(x).at[:, slots, :t].set(new.transpose(1, 0, 2, 3), mode="drop"))
             return self.replace(k=tuple(put(x, n.swapaxes(2, 3)) for x, n in zip(self.k, keys)),
                                 v=tuple(put(x, n) for x, n in zip(self.v, values)))
-        return self.replace(k=tuple(x.at[slots, :, :, :t].set(n, mode="drop") for x, n in zip(self.k, keys)),
-                            v=tuple(x.at[slots, :, :t].set(n, mode="drop") for x, n in zip(self.v, values)))
+        def parts(xs, new, axis):   # the entries [0, t) of one layer's parts; new: the layer's [a, ...] rows
+            out = []
+            for x, lo, hi in zip(xs, (0,) + self.ends, self.ends):
+                if lo < t:
+                    idx = (slots,) + (slice(None),) * (axis - 1) + (slice(0, min(hi, t) - lo),)
+                    x = x.at[idx].set(jax.lax.slice_in_dim(new, lo, min(hi, t), axis=axis), mode="drop")
+                out.append(x)
+            return tuple(out)
+        return self.replace(k=tuple(parts(x, n, 3) for x, n in zip(self.k, keys)),
+                            v=tuple(parts(x, n, 2) for x, n in zip(self.v, values)))
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at entry ``qpos`` of every slot, in layer ``layer``."""
-        k, v = k[:, 0].astype(self.k[layer].dtype), v[:, 0].astype(self.v[layer].dtype)   # [S, K, D]
+        dtype = jax.tree.leaves(self.k[layer])[0].dtype
+        k, v = k[:, 0].astype(dtype), v[:, 0].astype(dtype)   # [S, K, D]
 
         # one slot's entry, vmapped over the slots: a scatter batched over the slot dim, which a mesh splitting the
         # slots updates in place (an index scatter all-gathers the step's keys and positions, twice per layer)
@@ -114,9 +152,19 @@ class SlotCache:
         if self.paged:   # slot-major view [K, S, C, D]: one slot's [K, C, D], the entry on axis 1
             nk = self._pages(put(1, 1)(self._slot_major(self.k[layer]), k, self.qpos))
             nv = self._pages(put(1, 1)(self._slot_major(self.v[layer]), v, self.qpos))
-        else:            # one slot's keys [K, D, C] (entry on axis 2), values [K, C, D] (axis 1)
-            nk = put(2)(self.k[layer], k, self.qpos)
-            nv = put(1)(self.v[layer], v, self.qpos)
+            return self.replace(k=_set(self.k, layer, nk), v=_set(self.v, layer, nv))
+
+        # one slot's keys [K, D, w] (entry on axis 2), values [K, w, D] (axis 1); a part not holding the slot's
+        # entry drops the write (its index moved past the part's end: a negative one would count from the end)
+        def put_part(axis):
+            def one(x, new, pos):
+                at = jnp.where(pos < 0, x.shape[axis], pos)
+                return x.at[(slice(None),) * axis + (at,)].set(new, mode="drop")
+            return jax.vmap(one)
+
+        starts = (0,) + self.ends[:-1]
+        nk = tuple(put_part(2)(x, k, self.qpos - lo) for x, lo in zip(self.k[layer], starts))
+        nv = tuple(put_part(1)(x, v, self.qpos - lo) for x, lo in zip(self.v[layer], starts))
         return self.replace(k=_set(self.k, layer, nk), v=_set(self.v, layer, nv))
 
     def constrain(self, rows: Optional[NamedSharding]) -> "SlotCache":
@@ -126,7 +174,7 @@ class SlotCache:
         c = jax.lax.with_sharding_constraint
         pages = NamedSharding(rows.mesh, PartitionSpec(None, rows.spec[0]))
         kv = pages if self.paged else rows
-        return self.replace(k=tuple(c(x, kv) for x in self.k), v=tuple(c(x, kv) for x in self.v),
+        return self.replace(k=jax.tree.map(lambda x: c(x, kv), self.k), v=jax.tree.map(lambda x: c(x, kv), self.v),
                             qpos=c(self.qpos, rows))
 
 
@@ -139,8 +187,9 @@ def attend_slots(q, k, v, mask: SlotMask, scale: float, cache: SlotCache, layer:
     S, _, H, D = q.shape
     K = k.shape[2]
     if not cache.paged:
-        return _attend(q.reshape(S, K, H // K, D), cache.k[layer], cache.v[layer], mask.visible, scale,
-                       softcap, "skqd,skdc->skqc", "skqc,skcd->skqd").reshape(S, 1, H, D), cache
+        out = _attend_parts(q.reshape(S, K, H // K, D), cache.k[layer], cache.v[layer], mask, scale, softcap,
+                            cache.ends)
+        return out.reshape(S, 1, H, D), cache
     ks, vs = cache._slot_major(cache.k[layer]), cache._slot_major(cache.v[layer])   # [K, S, C, D]
 
     def pure(q, ks, vs, visible, qpos):
@@ -156,6 +205,26 @@ def attend_slots(q, k, v, mask: SlotMask, scale: float, cache: SlotCache, layer:
 
     out = jax.lax.platform_dependent(q, ks, vs, mask.visible, cache.qpos, tpu=kernel, default=pure)
     return out, cache
+
+
+def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends: tuple):
+    """The ``heads`` layout's step: q [S, K, g, D] over the first ``mask.span`` + 1 parts (keys [S, K, D, w],
+    values [S, K, w, D]), each read in place: the parts' scores concatenated, one float32 softmax, the values'
+    products summed. Returns [S, K, g, D] in q.dtype."""
+    def upto(j, q, ks, vs, visible):
+        s = jnp.concatenate([jnp.einsum("skqd,skdc->skqc", q, x.astype(q.dtype), preferred_element_type=jnp.float32)
+                             for x in ks[:j + 1]], -1) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        s = s + jnp.where(visible[:, :ends[j]], 0.0, _NEG)[:, None, None, :]
+        e = jnp.exp(s - s.max(-1, keepdims=True))
+        o = sum(jnp.einsum("skqc,skcd->skqd", e[..., lo:hi].astype(q.dtype), x.astype(q.dtype),
+                           preferred_element_type=jnp.float32) for x, lo, hi in zip(vs, (0,) + ends, ends[:j + 1]))
+        return (o / e.sum(-1, keepdims=True)).astype(q.dtype)
+
+    if len(ends) == 1:
+        return upto(0, q, ks, vs, mask.visible)
+    return jax.lax.switch(mask.span, [functools.partial(upto, j) for j in range(len(ends))], q, ks, vs, mask.visible)
 
 
 def _attend(q, ks, vs, visible, scale, softcap, qk: str, pv: str):
