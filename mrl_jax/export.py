@@ -93,7 +93,7 @@ def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
     if step not in rounds:
         raise ExportError(f"--checkpoint {step}: {run_dir / 'checkpoints'} has no complete checkpoint of that round; "
                           f"complete rounds: {rounds}")
-    run = Run(cfg)
+    run = Run(cfg, plan_memory=False)   # samples nothing: no sampler to size
     ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
     try:
         state, meta = ckpt.restore(run.state_template(), step)

@@ -73,7 +73,7 @@ def test_plan_progress_lines_on_the_cli_stream():
 @pytest.fixture(scope="module")
 def planned():
     run = Run(support.to_run_config(one_policy(mwra={"memory_gb": 64.0})))
-    return run, memory.plan_memory(run)
+    return run, run.memory
 
 
 def test_plan_figures_are_the_compiled_update_on_real_arrays(planned):
@@ -125,13 +125,24 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
     rerun = Run(support.to_run_config(one_policy(mwra={"memory_gb": limit_gb},
                                               **{"policies.0.optimizer": {"learning_rate": 1e-3,
                                                                           "micro_batch_size": m}})))
-    fixed = memory.plan_memory(rerun)
+    fixed = rerun.memory
     assert fixed.figures[0].total <= int(limit_gb * GIB) < full.total and fixed.limit == int(limit_gb * GIB)
 
 
 def test_cpu_without_memory_gb_compiles_nothing():
     run = Run(support.to_run_config(one_policy()))
-    assert memory.plan_memory(run) is None
+    assert run.memory is None and memory.plan_memory(run) is None
+    # the sampler is sized at build all the same: one slot width (the widest train prompt) for every round
+    pol = run.policies[0]
+    assert pol.slot_width == memory.prompt_width(run, pol) > 0 and pol.slots is None
+
+
+def test_a_planned_run_is_built_with_the_plans_slots(planned):
+    """``Run`` builds its policies with the sampler the plan compiled: its S and the widest train prompt."""
+    run, plan = planned
+    pol = run.policies[0]
+    assert pol.slots == plan.figures[0].slots == run.cfg.prompts_per_round * pol.num_generations
+    assert pol.slot_width == memory.prompt_width(run, pol)
 
 
 # ---------------------------------------------------------------------------------- pure parts

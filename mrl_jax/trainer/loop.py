@@ -350,8 +350,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         latest = _resume_round(ckpt, out, cfg, resume)
         if cfg.mwra.topology:
             _check_topology(cfg, out, progress)
-        run = Run(cfg, task=task)
-        run.plan_memory()   # compiled before any RL work; ConfigError when it does not fit
+        run = Run(cfg, task=task)   # its memory plan compiled before any RL work; ConfigError when it does not fit
         state, start = _start(run, ckpt, out, latest)
     except BaseException:
         ckpt.close()

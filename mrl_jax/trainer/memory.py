@@ -154,8 +154,9 @@ def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
         f = fig(s)
         return room is None or f is None or f.peak - tree_bytes(params) <= room
 
-    if pol.slots is not None or fits(B):
-        s = rollout_slots.slot_count(B, pol.slots, d)
+    asked = pol.spec.sampling.slots   # the config's S (pol.slots: the S a plan chose, once built)
+    if asked is not None or fits(B):
+        s = rollout_slots.slot_count(B, asked, d)
         return fig(s), s
     best = largest_fitting(range(d, B, d), fits, guess=_linear_guess(fig(d), fig(B), d, B, room + tree_bytes(params))
                            if fits(d) else None)

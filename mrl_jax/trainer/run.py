@@ -22,7 +22,8 @@ from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
-from mrl_jax.trainer.memory import plan_memory, prompt_width
+from mrl_jax.trainer.memory import plan_memory as compile_memory_plan
+from mrl_jax.trainer.memory import prompt_width
 from mrl_jax.trainer.placement import Placement, make_placement
 from mrl_jax.trainer.policy import (Policy, add_lora, build_model, build_policy, build_prompt_format,
                                     build_tokenizer)
@@ -92,12 +93,17 @@ class Run:
     """A run's static parts: task, prompts, policies (records with tokenizer, mesh, jitted steps), plan."""
 
     def __init__(self, cfg: RunConfig, *, task: Task | None = None, cache_dir: str | None = None,
-                 devices: Sequence | None = None, abstract: bool = False):
+                 devices: Sequence | None = None, abstract: bool = False, plan_memory: bool = True):
         """Builds tokenizers and models (their built weights are what ``initial_state`` starts from); no warm
         start, no optimizer state. The devices planned (MWRA, ``cfg.mwra``; ``devices`` defaults to
-        ``jax.devices()``) and each policy's steps pinned to its mesh.
+        ``jax.devices()``), each policy's steps pinned to its mesh and its sampler sized: a slot width of the
+        widest train prompt (every round's decode program the same) and, with ``plan_memory``, the slots the
+        compiled memory plan chose (``memory``: `trainer.memory.plan_memory`; None where no device limit is
+        known; ``ConfigError`` when the run does not fit), else ``sampling.slots`` (unset: every row).
+        ``plan_memory=False``: nothing compiled (a run that samples nothing: export).
         ``abstract``: models as shapes only (checkpoints' ``config.json`` read, no weights), for compiling the
-        steps (``devices`` may then be a TPU topology's, `mrl_jax.trainer.tpu_plan`); no state can be made."""
+        steps (``devices`` may then be a TPU topology's, `mrl_jax.trainer.tpu_plan`, which plans their memory
+        against its HBM); no state can be made, no memory plan here."""
         self.cfg = cfg
         self.abstract = abstract
         platform = (list(devices) if devices is not None else jax.devices())[0].platform
@@ -128,18 +134,10 @@ class Run:
         if not self.eval_prompts:
             raise ConfigError(_no_heldout(cfg))
         self._text_bytes = text_budget(cfg.see.max_text_bytes, self.policies)
-        self.memory = None   # the compiled memory plan (trainer.memory.plan_memory), set by `plan_memory`
-
-    def plan_memory(self):
-        """The compiled memory plan (`trainer.memory.plan_memory`, kept as ``memory``; None where no device limit
-        is known; ``ConfigError`` when the run does not fit), then each policy's sampler as the plan compiled it:
-        its slots (``sampling.slots``, or the most that fit) and a slot width of the widest train prompt (every
-        round's decode program the same)."""
-        self.memory = plan_memory(self)
-        slots = [f.slots for f in self.memory.figures] if self.memory is not None else [p.slots for p in self.policies]
-        self.policies = [dataclasses.replace(p, slots=s, slot_width=prompt_width(self, p))
-                         for p, s in zip(self.policies, slots)]
-        return self.memory
+        self.policies = [dataclasses.replace(p, slot_width=prompt_width(self, p)) for p in self.policies]
+        self.memory = compile_memory_plan(self) if plan_memory and not abstract else None
+        if self.memory is not None:   # the sampler as the plan compiled it: sampling.slots, or the most that fit
+            self.policies = [dataclasses.replace(p, slots=f.slots) for p, f in zip(self.policies, self.memory.figures)]
 
     @property
     def prompt_limits(self) -> list[int]:
