@@ -171,14 +171,16 @@ class RunCheckpointer:
             raise CheckpointError(f"no complete checkpoint of round {step} in {self.directory} (complete: {steps}).")
         template = jax.tree.map(_savable, template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)   # jax.Array: with its sharding
+        try:   # a template of another config refused from the metadata, before orbax starts a read it would abandon
+            saved = self._saved_shapes(step)
+        except Exception:  # noqa: BLE001 -- unreadable metadata: the restore below names the damage
+            saved = {}
+        _check_against_saved(template, saved, where)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types; all mean "unusable"
             msg, outer = _reason(e), " ".join(str(e).split()).lower()
-            if "not compatible with the stored shape" in outer:   # onto shardings orbax checks shapes itself
-                _check_against_saved(template, self._saved_shapes(step), where)
-                msg = "mismatch: " + msg
             if "mismatch" in msg.lower() or "mismatch" in outer or "not found in metadata" in outer:
                 raise CheckpointError(
                     f"checkpoint {where} does not match this run's config ({msg}). Resume with the config that "
