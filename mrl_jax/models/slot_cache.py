@@ -6,7 +6,8 @@ writes its token at entry ``qpos`` (its position) and attends over entries [0, q
 a length per slot, no per-entry mask to keep. Two layouts of the same entries, per layer:
 
 * ``heads`` (CPU, GPU): keys [S, K, D, w], values [S, K, w, D] in parts of w entries, the entries cut at
-  :func:`spans` ``(C)`` (64, 128, 256, ..., C); heads-major, keys slot-minor, so the step's two matmuls read the
+  :func:`spans` ``(C)`` (C / 4, C / 2, C, or doubling from 64 when C is short); heads-major, keys slot-minor, so
+  the step's two matmuls read the
   cache in place (as :class:`mrl_jax.models.SampleCache`). A step reads only the parts up to the first span past
   every slot's qpos (a ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads
   short spans, as the static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a
@@ -36,13 +37,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 PAGE = 16          # tokens per page of the ``pages`` layout
 KERNEL_LANES = 128   # the paged kernel lowers for head dims that are multiples of this
 SPAN = 64          # the ``heads`` layout's first part, by default (:func:`spans`)
+PARTS = 3          # the ``heads`` layout's parts at most: its decode program grows with their square
 _NEG = -1e30
 
 
 def spans(length: int, smallest: int = SPAN) -> tuple[int, ...]:
-    """Where the ``heads`` layout cuts a slot's ``length`` entries into parts: doubling from ``smallest``, the last
-    one ``length`` (64, 128, 256, 512, 543 for 543 entries)."""
-    out, w = [], int(smallest)
+    """Where the ``heads`` layout cuts a slot's ``length`` entries into at most :data:`PARTS` parts: doubling from
+    ``smallest`` or from ``length / 2 ** (PARTS - 1)``, the larger, the last one ``length`` (136, 272, 543 for 543
+    entries from 64; 10, 20, 40 for 40 from 8). A step reads at most twice the entries its slots reach, or the
+    first part; the decode program holds PARTS * (PARTS + 1) / 2 matmul pairs per layer (a switch branch per
+    span)."""
+    out, w = [], max(int(smallest), -(-int(length) // 2 ** (PARTS - 1)))
     while w < length:
         out.append(w)
         w *= 2
