@@ -14,6 +14,11 @@ How it works:
   step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
   row-step waits for the host. The host reads one flag per chunk (anything left?), the next chunk already
   dispatched; nothing else crosses to the host until the outputs.
+* the ladder (:func:`ladder`): once the queue is empty and the rows left fit a quarter of the slots, ``_compact``
+  moves them (and their cache entries) into that many slots and the round goes on with that rung's chunk program,
+  down to 8 slots: a long tail of lengths decodes in few slots, as the live sampler's compaction did, at a fixed
+  set of programs (a chunk per rung, a move per step down; the first call of a shape compiles them all, reached or
+  not, so no later round compiles).
 * the cache (:class:`mrl_jax.models.SlotCache`) holds C = Tc + N - 1 entries per slot (Tc the prompt width),
   entry e the token at position e of the slot's row: a row admitted gets its prompt (left-aligned in the prompt
   store) copied into entries [0, Tc), and each decode step writes its token at entry ``qpos`` (its position) and
@@ -52,10 +57,13 @@ from mrl_jax.models.slot_cache import SlotCache
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
-__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps"]
+__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
+           "ladder"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
+SHRINK = 4   # each rung of the slot ladder holds a quarter of the slots of the one above
+FLOOR = 8    # the ladder's last rung holds at least this many slots
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -66,6 +74,20 @@ def admit_count(slots: int, admit: int | None = None) -> int:
 def trace_count() -> int:
     """How many times the slot sampler's programs (start or chunk) have been traced in this process."""
     return _TRACES
+
+
+def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
+    """The slot counts a round decodes in, largest first: ``slots``, then a quarter of the last (rounded up to a
+    multiple of ``multiple``) while that is below it and at least max(FLOOR, multiple); (slots,) without
+    ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there (`_compact`): the
+    long tail of a round decodes in few slots. 128 -> (128, 32, 8); 12 -> (12,)."""
+    out = [int(slots)]
+    while shrink:
+        nxt = -(-(-(-out[-1] // SHRINK)) // multiple) * multiple
+        if nxt >= out[-1] or nxt < max(FLOOR, multiple):
+            break
+        out.append(nxt)
+    return tuple(out)
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
@@ -95,14 +117,15 @@ class _Prompts:
 @struct.dataclass
 class _State:
     """Slots: row int32[S] (-1 free), step int32[S] (the token index it samples next), tok int32[S] (the token it
-    feeds); t: decode steps run; ptr: queue rows taken; outputs tokens [B, N], logps [B, N, 2],
-    mask [B, N], ended bool[B] (stop id seen)."""
+    feeds); t: decode steps run; work: row-steps run (S per decode step); ptr: queue rows taken; outputs
+    tokens [B, N], logps [B, N, 2], mask [B, N], ended bool[B] (stop id seen)."""
 
     cache: SlotCache
     row: jax.Array
     step: jax.Array
     tok: jax.Array
     t: jax.Array
+    work: jax.Array
     ptr: jax.Array
     tokens: jax.Array
     logps: jax.Array
@@ -133,6 +156,11 @@ def _prompt_split(rows, p: int):
 
 def _busy(p: _Prompts, st: _State):
     return jnp.any(st.row >= 0) | (st.ptr < p.count)
+
+
+def _status(p: _Prompts, st: _State):
+    """int32[2]: rows in the slots, rows still queued (both 0: the round is done)."""
+    return jnp.stack([jnp.sum(st.row >= 0, dtype=jnp.int32), p.count - st.ptr])
 
 
 def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
@@ -168,6 +196,7 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
            else jnp.zeros_like(live))
     done = hit | (i >= n - 1)
     return st.replace(cache=cache, row=jnp.where(live & done, -1, st.row), step=st.step + 1, tok=tok, t=st.t + 1,
+                      work=st.work + st.row.shape[0],
                       tokens=st.tokens.at[out, i].set(tok, mode="drop"),
                       logps=st.logps.at[out, i].set(jnp.stack([lp, slp], -1), mode="drop"),
                       mask=st.mask.at[out, i].set(True, mode="drop"), ended=st.ended.at[out].set(hit, mode="drop"))
@@ -196,7 +225,8 @@ def _prefill(model, prompt_ids, prompt_mask, width: int):
 @functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
 def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, slots: int,
            width: int, rows=None):
-    """Prefill, token 0 of every row, the queue, the first S rows admitted. Returns (_Prompts, _State, busy)."""
+    """Prefill, token 0 of every row, the queue, the first S rows admitted. Returns (_Prompts, _State, status
+    int32[2]: see `_status`)."""
     global _TRACES
     _TRACES += 1
     model = nnx.merge(graphdef, params)
@@ -223,19 +253,19 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
                             paged=getattr(mcfg, "attention", None) == "splash", span=config.cache_bucket)
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
-                   tok=jnp.zeros((slots,), jnp.int32), t=zero, ptr=zero,
+                   tok=jnp.zeros((slots,), jnp.int32), t=zero, work=zero, ptr=zero,
                    tokens=jnp.full((b, n), config.pad_id, jnp.int32).at[:, 0].set(tok0),
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
     state = _constrain(_admit(prompts, state, slots, g), rows)
-    return prompts, state, _busy(prompts, state)
+    return prompts, state, _status(prompts, state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows",), donate_argnums=(3,))
 def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
            admit: int, *, rows=None):
     """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step) before each
-    step; stops early when no row is left. Returns (_State, busy bool, steps run int32)."""
+    step; stops early when no row is left. Returns (_State, status int32[2]: see `_status`)."""
     global _TRACES
     _TRACES += 1
     model = nnx.merge(graphdef, params)
@@ -247,9 +277,23 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
         st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
         return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
 
-    steps, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
-                                      (jnp.zeros((), jnp.int32), state))
-    return state, _busy(prompts, state), steps
+    _, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
+                                  (jnp.zeros((), jnp.int32), state))
+    return state, _status(prompts, state)
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "rows"))
+def _compact(state: _State, *, slots: int, rows=None) -> _State:
+    """The rows in ``state``'s slots (at most ``slots`` of them, the queue empty) moved into the first of
+    ``slots`` slots, in slot order, with their cache entries; the outputs unchanged."""
+    global _TRACES
+    _TRACES += 1
+    idx = jnp.nonzero(state.row >= 0, size=slots, fill_value=state.row.shape[0])[0]
+
+    def take(x, fill=0):
+        return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+    return _constrain(state.replace(cache=state.cache.take(idx), row=take(state.row, -1), step=take(state.step),
+                                    tok=take(state.tok)), rows)
 
 
 def _placement(mesh, rows: int, slots: int | None):
@@ -267,33 +311,37 @@ def _placement(mesh, rows: int, slots: int | None):
 _PROGRAMS: dict = {}
 
 
-def _programs(graphdef, config: SamplingConfig, g: int, s: int, width: int, chunk: int, a: int, rows):
-    """(start, chunk, finish) of one sampler shape: jitted once per process (memoised) and, on a mesh spanning
+def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows):
+    """(start, chunks, compacts, finish) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk program
+    per rung, a compaction from each rung to the next; jitted once per process (memoised) and, on a mesh spanning
     processes, launched in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
-    key = (graphdef, config, g, s, width, chunk, a, rows)
+    key = (graphdef, config, g, rungs, width, chunk, admit, rows)
     if key not in _PROGRAMS:
         from mrl_jax.mwra import lockstep
 
         def start(params, ids, mask, k):
-            return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=s, width=width, rows=rows)
+            return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
+                          rows=rows)
 
-        def step(params, prompts, state):   # the decode's TPU kernel, placed on the mesh
+        def step(s, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
             with splash.on_mesh(None if rows is None else rows.mesh):
-                return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows)
+                return _chunk(graphdef, params, prompts, state, config, g, chunk, admit_count(s, admit), rows=rows)
 
-        def finish(state):   # the Rollout, rows split as the round's rows are
-            return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
-                           mask=state.mask, lengths=state.mask.sum(-1, dtype=jnp.int32), truncated=~state.ended), state.t
+        def finish(tokens, logps, mask, ended):   # the Rollout, rows split as the round's rows are (whatever rung)
+            return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
+                           lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended)
 
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
                                                                                                jax.jit(f, **kw)))
-        _PROGRAMS[key] = (wrap(start), wrap(step, donate_argnums=(2,)), wrap(finish))
+        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, s), donate_argnums=(2,)) for s in rungs),
+                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
+                          wrap(finish), set())
     return _PROGRAMS[key]
 
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
                  slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
-                 mesh=None):
+                 mesh=None, shrink: bool = True):
     """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
     program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
     is (Rollout of host arrays, stats). On a mesh spanning processes every process of the mesh runs the same
@@ -304,50 +352,61 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     p, tp = np.shape(prompt_ids)
     b, g = p * int(num_samples), int(num_samples)
     s, rows, put = _placement(mesh, b, slots)
-    a = admit_count(s, admit)
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    programs = _programs(graphdef, config, g, s, width, int(chunk), a, rows)
-    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), s, b,
-                       mesh)
+    rungs = ladder(s, 1 if mesh is None else int(mesh.devices.size), shrink)
+    programs = _programs(graphdef, config, g, rungs, width, int(chunk), admit, rows)
+    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), rungs,
+                       b, mesh)
     next(gen)
     return gen
 
 
-def _drive_slots(programs, params, ids, mask, key, s: int, b: int, mesh):
-    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last flag is read.
-    A process holding none of the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
-    start, step, finish = programs
+def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh):
+    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
+    once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape also
+    runs the rungs it did not reach (no step: the round is done), so a later round compiles nothing. A process
+    holding none of the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
+    start, chunks_at, compacts, finish, warmed = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
-        prompts, state, busy = start(params, ids, mask, key)
+        prompts, state, status = start(params, ids, mask, key)
     yield
     spanning = jax.process_count() > 1 and mesh is not None
     here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
 
-    def left(flag):   # a scalar: every device of the mesh holds it
-        return bool(np.asarray(flag.addressable_data(0)))
+    def left(status):   # (rows in slots, rows queued): every device of the mesh holds the status
+        live, queued = np.asarray(status.addressable_data(0)).tolist()
+        return live, queued
 
-    chunks = 0
-    if here and left(busy):
-        state, busy, _ = step(params, prompts, state)
+    chunks, rung = 0, 0
+    if here and any(left(status)):
+        state, status = chunks_at[rung](params, prompts, state)
         chunks += 1
-        while True:   # chunk k + 1 dispatched before chunk k's flag is read: the device never waits for the host
-            ahead, ahead_busy, _ = step(params, prompts, state)
+        while True:   # chunk k + 1 dispatched before chunk k's status is read: the device never waits for the host
+            ahead, ahead_status = chunks_at[rung](params, prompts, state)
             yield
+            live, queued = left(status)
             state = ahead   # the last one ran no step: chunk k had left no row
-            if not left(busy):
+            if not (live or queued):
                 break
-            busy = ahead_busy
+            status = ahead_status
             chunks += 1
+            while rung + 1 < len(rungs) and not queued and live <= rungs[rung + 1]:   # rows only leave: they fit
+                state, rung = compacts[rung](state), rung + 1
+    if here and not warmed:   # every rung compiled in the first round, whatever its lengths
+        for r in range(rung, len(rungs) - 1):
+            state = compacts[r](state)
+            state, _ = chunks_at[r + 1](params, prompts, state)
+        warmed.add(True)
     shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
-    out, decode = finish(state)
+    out = finish(state.tokens, state.logps, state.mask, state.ended)
     if spanning:
         return out, None
-    out, decode = jax.device_get((out, decode))
-    return out, {"row_steps": b + s * int(decode), "decode_steps": int(decode), "chunks": chunks, "slots": s,
-                 "slot_devices": split}
+    out, decode, work = jax.device_get((out, state.t, state.work))
+    return out, {"row_steps": b + int(work), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
+                 "rungs": rungs[:rung + 1], "slot_devices": split}
 
 
 def min_row_steps(lengths, slots: int) -> int:
@@ -379,17 +438,19 @@ def drive(items: Sequence, stats: list | None = None) -> list:
 
 def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
                    slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
-                   mesh=None) -> tuple[Rollout, dict]:
+                   mesh=None, shrink: bool = True) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
 
     Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
     ``chunk``: decode steps per program call (one host read each); ``admit``: rows admitted per step at most
     (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode
-    program across prompt buckets); ``mesh``: slots split over its devices. Returns (:class:`Rollout` of host
-    numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + S per decode step run), ``decode_steps``,
-    ``chunks``, ``slots``.
+    program across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the
+    queue is empty move to fewer slots (:func:`ladder`; False: S slots to the end). Returns (:class:`Rollout` of
+    host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
+    ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``.
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                              slots=slots, chunk=chunk, admit=admit, width=width, mesh=mesh)], stats)
+                              slots=slots, chunk=chunk, admit=admit, width=width, mesh=mesh, shrink=shrink)],
+                stats)
     return out[0], stats[0]

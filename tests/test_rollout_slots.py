@@ -8,7 +8,8 @@ from flax import nnx
 from mrl_jax import models
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import drive, generate_slots, min_row_steps, slot_count, slot_rollout, trace_count
+from mrl_jax.rollout_slots import (drive, generate_slots, ladder, min_row_steps, slot_count, slot_rollout,
+                                   trace_count)
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -58,6 +59,44 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
         assert stats["slots"] == s and stats["row_steps"] >= min_row_steps(lengths, s) >= lengths.sum(), (s, stats)
         if s in (1, 12):   # the bound is reached: one row at a time, or every row at once
             assert stats["row_steps"] == (lengths.sum() if s == 1 else 12 * lengths.max()) == min_row_steps(lengths, s)
+
+
+def test_the_tail_moves_to_fewer_slots(llama):
+    """36 rows (3 prompts x G 12) in S = 36 slots: once 9 rows or fewer are left (the queue is empty from the
+    start) they move to 9 slots. Tokens equal the static sampler's with and without the move; with it the
+    row-steps fall below what 36 fixed slots take at least (the bound, which they reach without it); later keys
+    (other lengths) compile nothing."""
+    assert ladder(36) == (36, 9) and ladder(128) == (128, 32, 8) and ladder(12) == (12,)
+    assert ladder(36, 4) == (36, 12) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
+    key = jax.random.key(21)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
+    lengths = np.asarray(ref.lengths)
+    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4)
+    _assert_same(out, ref)
+    fixed, fixed_stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4, shrink=False)
+    _assert_same(fixed, ref)
+    assert stats["rungs"] == (36, 9) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
+    assert fixed_stats["row_steps"] == min_row_steps(lengths, 36) > stats["row_steps"] >= lengths.sum()
+    with CompileCounter() as cc:
+        for r in range(1, 4):
+            out, stats = generate_slots(g, p, ids, mask, jax.random.key(21 + r), cfg, num_samples=12, chunk=4)
+            assert stats["rungs"][0] == 36
+    assert cc.programs == 0
+
+
+def test_the_first_call_compiles_the_rungs_it_did_not_reach(llama):
+    """A chunk of 64 steps > N: the first call's rows end inside one chunk, so it never moves them (rungs (36,)),
+    yet it traces the 9-slot chunk and the move too (a later round that reaches them compiles nothing)."""
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, temperature=0.9)
+    key = jax.random.key(3)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
+    before = trace_count()
+    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=64)
+    assert stats["rungs"] == (36,) and trace_count() - before == 4   # start, chunk at 36, move, chunk at 9
+    _assert_same(out, ref)
 
 
 def _stop_set(tokens: np.ndarray) -> tuple:
@@ -145,11 +184,11 @@ def test_a_free_slot_attends_over_one_entry(llama):
 
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), temperature=1.0)
-    prompts, st, busy = _start(g, p, ids, mask, jax.random.key(21), cfg, num_samples=4, slots=5, width=8)
+    prompts, st, status = _start(g, p, ids, mask, jax.random.key(21), cfg, num_samples=4, slots=5, width=8)
     plen, idle = np.asarray(mask).sum(-1), 0
-    while bool(busy):
+    while np.asarray(status).any():
         row, step, drained = np.asarray(st.row), np.asarray(st.step), int(st.ptr) == int(prompts.count)
-        st, busy, _ = _chunk(g, p, prompts, st, cfg, 4, 1, 2)
+        st, status = _chunk(g, p, prompts, st, cfg, 4, 1, 2)
         qpos = np.asarray(st.cache.qpos)
         if drained:   # nothing admitted at this step: the slots free before it stayed free through it
             idle += int((row < 0).sum())

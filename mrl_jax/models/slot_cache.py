@@ -142,6 +142,17 @@ class SlotCache:
         return self.replace(k=tuple(parts(x, n, 3) for x, n in zip(self.k, keys)),
                             v=tuple(parts(x, n, 2) for x, n in zip(self.v, values)))
 
+    def take(self, slots: jax.Array) -> "SlotCache":
+        """The cache of ``slots`` (int32[S']; S: an empty slot) in that order: S' slots."""
+        def take(x, axis):
+            return jnp.take(x, slots, axis=axis, mode="fill", fill_value=0)
+        if self.paged:
+            k = tuple(self._pages(take(self._slot_major(x), 1)) for x in self.k)
+            v = tuple(self._pages(take(self._slot_major(x), 1)) for x in self.v)
+        else:
+            k, v = jax.tree.map(lambda x: take(x, 0), (self.k, self.v))
+        return self.replace(k=k, v=v, qpos=take(self.qpos, 0))
+
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at entry ``qpos`` of every slot, in layer ``layer``."""
         dtype = jax.tree.leaves(self.k[layer])[0].dtype

@@ -107,9 +107,9 @@ def _update_inputs(run, pol, mesh, Tp: int):
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
-    """The slot sampler's figure at S slots: the larger-peak of its two programs (start: prefill and token 0;
-    chunk: the decode steps), compiled on abstract inputs, with the Pallas kernel calls of both; None where the
-    backend reports none."""
+    """The slot sampler's figure at S slots: the larger-peak of its programs (start: prefill and token 0; chunk:
+    the decode steps; the move of the last rows to the ladder's next rung, both caches live), compiled on abstract
+    inputs, with the Pallas kernel calls; None where the backend reports none."""
     from mrl_jax.mwra import row_sharding
 
     G, cfg, rows = pol.num_generations, pol.sampling, row_sharding(mesh)
@@ -129,9 +129,12 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
-    if first is None or second is None:
+    rungs = rollout_slots.ladder(S, int(mesh.devices.size))
+    third = second if len(rungs) == 1 else step_memory(
+        jax.jit(lambda st: rollout_slots._compact(st, slots=rungs[1], rows=rows)), state)
+    if first is None or second is None or third is None:
         return None
-    return max(first, second, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
+    return max(first, second, third, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
 
 
 def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
