@@ -12,8 +12,8 @@ How it works:
 * ``_chunk`` (ONE program for a given (S, prompt width, N)): up to ``chunk`` decode steps over all S slots in a
   ``lax.while_loop``. Each slot has its own row id, step index and position; a slot whose row ends (stop id or
   step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
-  row-step waits for the host. The host reads one flag per chunk (anything left?), the next chunk already
-  dispatched; nothing else crosses to the host until the outputs.
+  row-step waits for the host. The host reads one status per chunk (rows in the slots, rows queued), the next
+  chunk already dispatched; nothing else crosses to the host until the outputs.
 * the ladder (:func:`ladder`): once the queue is empty and the rows left fit a quarter of the slots, ``_compact``
   moves them (and their cache entries) into that many slots and the round goes on with that rung's chunk program,
   down to 8 slots: a long tail of lengths decodes in few slots, as the live sampler's compaction did, at a fixed
@@ -28,18 +28,21 @@ How it works:
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
-Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot 2 * L * K * D * C * dtype bytes, plus the prompt store
-P * Tc * the same per-token figure, plus the outputs [P * G, N]. Llama-3.1-8B (128 KiB per token, bf16), 64 prompts
-x G 8, 1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB
-prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its
-G slots would save Tc / C (here 20 %) of each slot, at a gathered read per step on the pure-JAX path.
+Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot
+2 * L * K * D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs
+[P * G, N]; a move down the ladder holds both rungs' caches for its one program (1.25 x the cache). Llama-3.1-8B
+(128 KiB per token, bf16), 64 prompts x G 8, 1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row)
+320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB).
+Sharing each prompt's pages among its G slots would save Tc / C (here 20 %) of each slot, at a gathered read per
+step on the pure-JAX path.
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
-Several processes (``jax.distributed``): the host loop depends on one scalar flag per chunk, a 0-d output every
-device of the mesh holds, so every process of the mesh reads the same flag from its own shard and makes the same
-calls; each program is launched in lockstep (`mrl_jax.mwra.lockstep`). A process outside the mesh runs no chunk;
-the outputs stay the mesh's arrays and every process reads them with ``trainer.placement.fetch``.
+Several processes (``jax.distributed``): the host loop depends on one status per chunk (rows in the slots, rows
+queued), a replicated output every device of the mesh holds, so every process of the mesh reads the same status
+from its own shard and makes the same calls (the same chunks, moves and rungs); each program is launched in
+lockstep (`mrl_jax.mwra.lockstep`). A process outside the mesh runs no chunk; the outputs stay the mesh's arrays
+and every process reads them with ``trainer.placement.fetch``.
 """
 from __future__ import annotations
 
