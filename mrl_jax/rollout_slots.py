@@ -67,6 +67,7 @@ _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
 SHRINK = 4   # each rung of the slot ladder holds a quarter of the slots of the one above
 FLOOR = 8    # the ladder's last rung holds at least this many slots
+RUNGS = 3    # the ladder's rungs at most: a decode program each, all compiled in the first round
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -81,11 +82,12 @@ def trace_count() -> int:
 
 def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
     """The slot counts a round decodes in, largest first: ``slots``, then a quarter of the last (rounded up to a
-    multiple of ``multiple``) while that is below it and at least max(FLOOR, multiple); (slots,) without
-    ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there (`_compact`): the
-    long tail of a round decodes in few slots. 128 -> (128, 32, 8); 12 -> (12,)."""
+    multiple of ``multiple``) while that is below it and at least max(FLOOR, multiple), RUNGS at most; (slots,)
+    without ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there
+    (`_compact`): the long tail of a round decodes in few slots. 128 -> (128, 32, 8); 512 -> (512, 128, 32);
+    12 -> (12,)."""
     out = [int(slots)]
-    while shrink:
+    while shrink and len(out) < RUNGS:
         nxt = -(-(-(-out[-1] // SHRINK)) // multiple) * multiple
         if nxt >= out[-1] or nxt < max(FLOOR, multiple):
             break

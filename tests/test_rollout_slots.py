@@ -68,6 +68,7 @@ def test_the_tail_moves_to_fewer_slots(llama):
     (other lengths) compile nothing."""
     assert ladder(36) == (36, 9) and ladder(128) == (128, 32, 8) and ladder(12) == (12,)
     assert ladder(36, 4) == (36, 12) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
+    assert ladder(512) == (512, 128, 32)   # three decode programs at most
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
     key = jax.random.key(21)
