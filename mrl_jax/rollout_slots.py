@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx, struct
 
 from mrl_jax.models import splash
-from mrl_jax.models.slot_cache import SlotCache
+from mrl_jax.models.slot_cache import SlotCache, take_blocks
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
@@ -147,14 +147,19 @@ def _constrain(state: _State, rows) -> _State:
                          step=c(state.step, rows), tok=c(state.tok, rows))
 
 
+def _split(rows) -> int:
+    """The devices ``rows`` (a slot sharding; None: one) splits the slots over."""
+    if rows is None:
+        return 1
+    axes = rows.spec[0] if isinstance(rows.spec[0], tuple) else (rows.spec[0],)
+    return int(np.prod([rows.mesh.shape[a] for a in axes]))
+
+
 def _prompt_split(rows, p: int):
     """Constrain a [P, ...] leaf (prefill input, prompt store) split over ``rows``' data axes when they divide P
     (the round pads P to the mesh size): each device prefills and stores P / d prompts, not all P; the admits
     gather the rows they need. Identity without ``rows`` or where P does not divide."""
-    if rows is None:
-        return lambda x: x
-    axes = rows.spec[0] if isinstance(rows.spec[0], tuple) else (rows.spec[0],)
-    if p % int(np.prod([rows.mesh.shape[a] for a in axes])):
+    if rows is None or p % _split(rows):
         return lambda x: x
     return lambda x: jax.lax.with_sharding_constraint(x, rows)
 
@@ -163,9 +168,12 @@ def _busy(p: _Prompts, st: _State):
     return jnp.any(st.row >= 0) | (st.ptr < p.count)
 
 
-def _status(p: _Prompts, st: _State):
-    """int32[2]: rows in the slots, rows still queued (both 0: the round is done)."""
-    return jnp.stack([jnp.sum(st.row >= 0, dtype=jnp.int32), p.count - st.ptr])
+def _status(p: _Prompts, st: _State, d: int):
+    """int32[3]: rows in the slots, rows still queued (both 0: the round is done), the most rows in one of the d
+    devices' blocks of slots (what a move down the ladder must fit in each block)."""
+    live = st.row >= 0
+    return jnp.stack([jnp.sum(live, dtype=jnp.int32), p.count - st.ptr,
+                      jnp.max(jnp.sum(live.reshape(d, -1), 1, dtype=jnp.int32))])
 
 
 def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
@@ -263,7 +271,7 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
     state = _constrain(_admit(prompts, state, slots, g), rows)
-    return prompts, state, _status(prompts, state)
+    return prompts, state, _status(prompts, state, _split(rows))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows",), donate_argnums=(3,))
@@ -284,20 +292,22 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
 
     _, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
                                   (jnp.zeros((), jnp.int32), state))
-    return state, _status(prompts, state)
+    return state, _status(prompts, state, _split(rows))
 
 
 @functools.partial(jax.jit, static_argnames=("slots", "rows"))
 def _compact(state: _State, *, slots: int, rows=None) -> _State:
-    """The rows in ``state``'s slots (at most ``slots`` of them, the queue empty) moved into the first of
-    ``slots`` slots, in slot order, with their cache entries; the outputs unchanged."""
+    """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries, within each device's
+    block of slots (at most ``slots`` / d rows in each of the d blocks, the queue empty: nothing crosses devices);
+    the outputs unchanged."""
     global _TRACES
     _TRACES += 1
-    idx = jnp.nonzero(state.row >= 0, size=slots, fill_value=state.row.shape[0])[0]
+    d, s = _split(rows), state.row.shape[0]
+    local = jax.vmap(lambda r: jnp.nonzero(r >= 0, size=slots // d, fill_value=s // d)[0])(state.row.reshape(d, -1))
 
     def take(x, fill=0):
-        return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
-    return _constrain(state.replace(cache=state.cache.take(idx), row=take(state.row, -1), step=take(state.step),
+        return take_blocks(x, local, 0, fill)
+    return _constrain(state.replace(cache=state.cache.take(local), row=take(state.row, -1), step=take(state.step),
                                     tok=take(state.tok)), rows)
 
 
@@ -380,24 +390,24 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh):
     spanning = jax.process_count() > 1 and mesh is not None
     here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
 
-    def left(status):   # (rows in slots, rows queued): every device of the mesh holds the status
-        live, queued = np.asarray(status.addressable_data(0)).tolist()
-        return live, queued
+    def left(status):   # (rows in slots, rows queued, most in one device's block): every device holds it
+        return np.asarray(status.addressable_data(0)).tolist()
 
     chunks, rung = 0, 0
+    blocks = 1 if mesh is None else int(mesh.devices.size)   # the slots' blocks: one per device
     if here and any(left(status)):
         state, status = chunks_at[rung](params, prompts, state)
         chunks += 1
         while True:   # chunk k + 1 dispatched before chunk k's status is read: the device never waits for the host
             ahead, ahead_status = chunks_at[rung](params, prompts, state)
             yield
-            live, queued = left(status)
+            live, queued, most = left(status)
             state = ahead   # the last one ran no step: chunk k had left no row
             if not (live or queued):
                 break
             status = ahead_status
             chunks += 1
-            while rung + 1 < len(rungs) and not queued and live <= rungs[rung + 1]:   # rows only leave: they fit
+            while rung + 1 < len(rungs) and not queued and most <= rungs[rung + 1] // blocks:   # rows only leave
                 state, rung = compacts[rung](state), rung + 1
     if here and not warmed:   # every rung compiled in the first round, whatever its lengths
         for r in range(rung, len(rungs) - 1):

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 import worker_result
 from mrl_jax import models, mwra
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import _chunk, _start, generate_slots
+from mrl_jax.rollout_slots import _chunk, _compact, _start, generate_slots
 from mrl_jax.trainer.placement import pad_prompts
 
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -49,7 +49,31 @@ def main() -> dict:
             "sharded_params": sum(len(x.sharding.device_set) == d and not x.sharding.is_fully_replicated
                                   for x in jax.tree.leaves(params)),
         }
+    # the ladder on 2 devices: 4 prompts x G 12 = 48 rows in 48 slots, the tail moved to 12 (6 per device)
+    mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(2), ("data",))
+    params = mwra.put(p, mwra.param_shardings(p, mesh, min_size=0))
+    pids, pmask = pad_prompts(ids, mask, 2)
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 12, 19, 33, 41, 50), cache_bucket=8)   # a tail
+    ref12 = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=12))
+    with jax.transfer_guard("disallow"):
+        out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=12, chunk=2, mesh=mesh)
+    b = len(PROMPTS) * 12
+    res["ladder"] = {"rungs": list(stats["rungs"]), "tokens_equal": bool(np.array_equal(out.tokens[:b], ref12.tokens)),
+                     "mask_equal": bool(np.array_equal(out.mask[:b], ref12.mask)),
+                     "logprob_diff": float(np.abs(out.logprobs[:b] - ref12.logprobs).max()),
+                     "move_collectives": move_collectives(gd, params, pids, pmask, key, cfg, mesh)}
     return res
+
+
+def move_collectives(gd, params, ids, mask, key, cfg, mesh) -> int:
+    """Collectives in the compiled move down the ladder (48 -> 12 slots on ``mesh``): none when each device's rows
+    move within its own slots (a move across them gathers the indices and all-reduces the gathered cache)."""
+    rows, repl = mwra.row_sharding(mesh), mwra.REPLICATED
+    put = lambda x: mwra.put(x, jax.sharding.NamedSharding(mesh, repl))   # noqa: E731
+    _, state, _ = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=12, slots=48, width=8,
+                                                    rows=rows))(params, put(ids), put(mask), put(key))
+    text = jax.jit(lambda s: _compact(s, slots=12, rows=rows)).lower(state).compile().as_text()
+    return len(re.findall(r" (?:all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\(", text))
 
 
 def gathered_keys(gd, params, ids, mask, key, cfg, mesh, slots: int) -> int:

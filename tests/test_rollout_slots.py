@@ -202,7 +202,8 @@ def test_a_free_slot_attends_over_one_entry(llama):
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
     """On 4 forced CPU devices (3 prompts padded to 4, 12 rows in S = 5 -> 8 slots; FSDP-sharded params) and on 3
     (9 rows, 9 slots), under ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static
-    sampler's, the slots are split over the devices, and a decode step's cache write moves no keys between them."""
+    sampler's, the slots are split over the devices, and a decode step's cache write moves no keys between them.
+    On 2 devices 48 rows move down the ladder to 12 slots with the same tokens, no cache crossing devices."""
     import subprocess
     import sys
     from pathlib import Path
@@ -224,6 +225,9 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
         assert c["slots"] % int(d) == 0 and c["slot_devices"] == int(d), (d, c)
         assert c["gathered_keys"] == 0, (d, c)   # each slot's cache write stays on its device
     assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
+    lad = r["ladder"]   # 48 rows on 2 devices: the tail moved to 12 slots, each device's rows within its own slots
+    assert lad["rungs"] == [48, 12] and lad["tokens_equal"] and lad["mask_equal"] and lad["logprob_diff"] <= 1e-5, lad
+    assert lad["move_collectives"] == 0, lad
 
 
 def test_sampling_slots_config_key():

@@ -142,16 +142,16 @@ class SlotCache:
         return self.replace(k=tuple(parts(x, n, 3) for x, n in zip(self.k, keys)),
                             v=tuple(parts(x, n, 2) for x, n in zip(self.v, values)))
 
-    def take(self, slots: jax.Array) -> "SlotCache":
-        """The cache of ``slots`` (int32[S']; S: an empty slot) in that order: S' slots."""
-        def take(x, axis):
-            return jnp.take(x, slots, axis=axis, mode="fill", fill_value=0)
+    def take(self, local: jax.Array) -> "SlotCache":
+        """The cache of the slots ``local`` names (int32[d, S' / d]: in each of d blocks of S / d consecutive slots
+        -- a device's share of them --, the slots it keeps, in order; S / d: an empty slot): S' slots, each block's
+        from its own slots (a mesh splitting the slots moves nothing between devices)."""
         if self.paged:
-            k = tuple(self._pages(take(self._slot_major(x), 1)) for x in self.k)
-            v = tuple(self._pages(take(self._slot_major(x), 1)) for x in self.v)
+            k = tuple(self._pages(take_blocks(self._slot_major(x), local, 1)) for x in self.k)
+            v = tuple(self._pages(take_blocks(self._slot_major(x), local, 1)) for x in self.v)
         else:
-            k, v = jax.tree.map(lambda x: take(x, 0), (self.k, self.v))
-        return self.replace(k=k, v=v, qpos=take(self.qpos, 0))
+            k, v = jax.tree.map(lambda x: take_blocks(x, local, 0), (self.k, self.v))
+        return self.replace(k=k, v=v, qpos=take_blocks(self.qpos, local, 0))
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at entry ``qpos`` of every slot, in layer ``layer``."""
@@ -192,6 +192,17 @@ class SlotCache:
         kv = pages if self.paged else rows
         return self.replace(k=jax.tree.map(lambda x: c(x, kv), self.k), v=jax.tree.map(lambda x: c(x, kv), self.v),
                             qpos=c(self.qpos, rows))
+
+
+def take_blocks(x, local: jax.Array, axis: int, fill=0):
+    """``x``'s slot dim (``axis``, S) as d blocks of S / d, block i keeping its slots ``local[i]`` (int32[d, S' / d];
+    S / d: ``fill``) -> S' along ``axis``: a gather batched over the blocks, which a mesh splitting the slots (d
+    ways) runs on each device."""
+    d, keep = local.shape
+    xb = x.reshape(x.shape[:axis] + (d, x.shape[axis] // d) + x.shape[axis + 1:])
+    out = jax.vmap(lambda b, i: jnp.take(b, i, axis=axis, mode="fill", fill_value=fill), in_axes=(axis, 0),
+                   out_axes=axis)(xb, local)
+    return out.reshape(x.shape[:axis] + (d * keep,) + x.shape[axis + 1:])
 
 
 def attend_slots(q, k, v, mask: SlotMask, scale: float, cache: SlotCache, layer: int,
