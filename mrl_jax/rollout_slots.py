@@ -14,11 +14,13 @@ How it works:
   step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
   row-step waits for the host. The host reads one status per chunk (rows in the slots, rows queued), the next
   chunk already dispatched; nothing else crosses to the host until the outputs.
-* the ladder (:func:`ladder`): once the queue is empty and the rows left fit a quarter of the slots, ``_compact``
-  moves them (and their cache entries) into that many slots and the round goes on with that rung's chunk program,
-  down to 8 slots: a long tail of lengths decodes in few slots, as the live sampler's compaction did, at a fixed
-  set of programs (a chunk per rung, a move per step down; the first call of a shape compiles them all, reached or
-  not, so no later round compiles).
+* the ladder (:func:`ladder`, the ``heads`` cache layout): once the queue is empty and the rows left fit half the
+  slots, ``_compact`` moves them (and their cache entries) into that many slots and the round goes on with that
+  rung's chunk program, down to 8 slots: a long tail of lengths decodes in few slots, as the live sampler's
+  compaction did, at a fixed set of programs (a chunk per rung, a move per step down; the first call of a shape
+  compiles them all, reached or not, so no later round compiles). A chunk stops at the step its rows fit the next
+  rung, so no step runs at a rung the rows have left. The ``pages`` layout (TPU) keeps S: there a free slot reads
+  one page (:func:`paged_layout`).
 * the cache (:class:`mrl_jax.models.SlotCache`) holds C = Tc + N - 1 entries per slot (Tc the prompt width),
   entry e the token at position e of the slot's row: a row admitted gets its prompt (left-aligned in the prompt
   store) copied into entries [0, Tc), and each decode step writes its token at entry ``qpos`` (its position) and
@@ -30,9 +32,9 @@ How it works:
 
 Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot
 2 * L * K * D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs
-[P * G, N]; a move down the ladder holds both rungs' caches for its one program (1.25 x the cache). Llama-3.1-8B
-(128 KiB per token, bf16), 64 prompts x G 8, 1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row)
-320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB).
+[P * G, N]; a move down the ladder holds both rungs' caches for its one program (1.5 x the cache, beside the
+resident weights; the ``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8,
+1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB).
 Sharing each prompt's pages among its G slots would save Tc / C (here 20 %) of each slot, at a gathered read per
 step on the pure-JAX path.
 
@@ -61,13 +63,13 @@ from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
-           "ladder"]
+           "ladder", "paged_layout"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
-SHRINK = 4   # each rung of the slot ladder holds a quarter of the slots of the one above
+SHRINK = 2   # each rung of the slot ladder holds half the slots of the one above
 FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 3    # the ladder's rungs at most: a decode program each, all compiled in the first round
+RUNGS = 5    # the ladder's rungs at most: a decode program each, all compiled in the first round
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -81,10 +83,10 @@ def trace_count() -> int:
 
 
 def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round decodes in, largest first: ``slots``, then a quarter of the last (rounded up to a
-    multiple of ``multiple``) while that is below it and at least max(FLOOR, multiple), RUNGS at most; (slots,)
-    without ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there
-    (`_compact`): the long tail of a round decodes in few slots. 128 -> (128, 32, 8); 512 -> (512, 128, 32);
+    """The slot counts a round decodes in, largest first: ``slots``, then half the last (rounded up to a multiple
+    of ``multiple``) while that is below it and at least max(FLOOR, multiple), RUNGS at most; (slots,) without
+    ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there (`_compact`): the long
+    tail of a round decodes in few slots. 128 -> (128, 64, 32, 16, 8); 512 -> (512, 256, 128, 64, 32);
     12 -> (12,)."""
     out = [int(slots)]
     while shrink and len(out) < RUNGS:
@@ -93,6 +95,20 @@ def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...
             break
         out.append(nxt)
     return tuple(out)
+
+
+_PAGED: dict = {}
+
+
+def paged_layout(graphdef, params) -> bool:
+    """Whether the model's slot cache takes the ``pages`` layout (``attention: splash``, the TPU path): each slot's
+    attention reads its own length there, so a free slot costs one page and the ladder would buy no step time for
+    its compiles and moves (`slot_rollout` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's part up to
+    the furthest slot, so its tail moves down the ladder. ``params`` may be abstract (ShapeDtypeStructs)."""
+    if graphdef not in _PAGED:
+        mcfg = getattr(nnx.merge(graphdef, params), "config", None)
+        _PAGED[graphdef] = getattr(mcfg, "attention", None) == "splash"
+    return _PAGED[graphdef]
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
@@ -174,6 +190,14 @@ def _status(p: _Prompts, st: _State, d: int):
     live = st.row >= 0
     return jnp.stack([jnp.sum(live, dtype=jnp.int32), p.count - st.ptr,
                       jnp.max(jnp.sum(live.reshape(d, -1), 1, dtype=jnp.int32))])
+
+
+def _fits(p: _Prompts, st: _State, d: int, below: int | None):
+    """Whether the rows could move down the ladder now: the queue empty and at most ``below`` (the next rung's slots
+    per device block; None: no rung below) rows in each of the d blocks -- the host's test of the same status."""
+    if below is None:
+        return jnp.zeros((), bool)
+    return (st.ptr >= p.count) & (jnp.max(jnp.sum(st.row.reshape(d, -1) >= 0, 1)) <= below)
 
 
 def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
@@ -263,7 +287,7 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     prompts = _Prompts(pk=pk, pv=pv, plen=plen, tok0=tok0, u=u, order=order, count=jnp.sum(needs, dtype=jnp.int32))
     _, K, D, _ = pk[0].shape
     cache = SlotCache.zeros(slots, len(pk), K, D, width + n - 1, pk[0].dtype,
-                            paged=getattr(mcfg, "attention", None) == "splash", span=config.cache_bucket)
+                            paged=paged_layout(graphdef, params), span=config.cache_bucket)
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
                    tok=jnp.zeros((slots,), jnp.int32), t=zero, work=zero, ptr=zero,
@@ -274,11 +298,13 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     return prompts, state, _status(prompts, state, _split(rows))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows",), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows", "below"), donate_argnums=(3,))
 def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
-           admit: int, *, rows=None):
+           admit: int, *, rows=None, below: int | None = None):
     """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step) before each
-    step; stops early when no row is left. Returns (_State, status int32[2]: see `_status`)."""
+    step; stops early when no row is left or when the rows fit ``below`` slots per device block with the queue
+    empty (`_fits`: not one step more at this rung before the host moves them). Returns (_State, status int32[3]:
+    see `_status`)."""
     global _TRACES
     _TRACES += 1
     model = nnx.merge(graphdef, params)
@@ -290,9 +316,11 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
         st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
         return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
 
-    _, state = jax.lax.while_loop(lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]), body,
-                                  (jnp.zeros((), jnp.int32), state))
-    return state, _status(prompts, state, _split(rows))
+    d = _split(rows)
+    _, state = jax.lax.while_loop(
+        lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]) & ~_fits(prompts, cs[1], d, below), body,
+        (jnp.zeros((), jnp.int32), state))
+    return state, _status(prompts, state, d)
 
 
 @functools.partial(jax.jit, static_argnames=("slots", "rows"))
@@ -338,9 +366,10 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
             return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
                           rows=rows)
 
-        def step(s, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
+        def step(s, below, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
             with splash.on_mesh(None if rows is None else rows.mesh):
-                return _chunk(graphdef, params, prompts, state, config, g, chunk, admit_count(s, admit), rows=rows)
+                return _chunk(graphdef, params, prompts, state, config, g, chunk, admit_count(s, admit), rows=rows,
+                              below=below)
 
         def finish(tokens, logps, mask, ended):   # the Rollout, rows split as the round's rows are (whatever rung)
             return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
@@ -348,7 +377,9 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
 
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
                                                                                                jax.jit(f, **kw)))
-        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, s), donate_argnums=(2,)) for s in rungs),
+        belows = tuple(s // _split(rows) for s in rungs[1:]) + (None,)
+        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, s, below), donate_argnums=(2,))
+                                             for s, below in zip(rungs, belows)),
                           tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
                           wrap(finish), set())
     return _PROGRAMS[key]
@@ -370,15 +401,15 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    rungs = ladder(s, 1 if mesh is None else int(mesh.devices.size), shrink)
+    rungs = ladder(s, 1 if mesh is None else int(mesh.devices.size), shrink and not paged_layout(graphdef, params))
     programs = _programs(graphdef, config, g, rungs, width, int(chunk), admit, rows)
     gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), rungs,
-                       b, mesh)
+                       b, mesh, rows)
     next(gen)
     return gen
 
 
-def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh):
+def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh, rows):
     """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
     once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape also
     runs the rungs it did not reach (no step: the round is done), so a later round compiles nothing. A process
@@ -394,7 +425,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh):
         return np.asarray(status.addressable_data(0)).tolist()
 
     chunks, rung = 0, 0
-    blocks = 1 if mesh is None else int(mesh.devices.size)   # the slots' blocks: one per device
+    blocks = _split(rows)   # the slots' blocks: one per device of the data axes
     if here and any(left(status)):
         state, status = chunks_at[rung](params, prompts, state)
         chunks += 1
@@ -460,7 +491,8 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
     ``chunk``: decode steps per program call (one host read each); ``admit``: rows admitted per step at most
     (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode
     program across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the
-    queue is empty move to fewer slots (:func:`ladder`; False: S slots to the end). Returns (:class:`Rollout` of
+    queue is empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the
+    end). Returns (:class:`Rollout` of
     host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
     ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``.
     """

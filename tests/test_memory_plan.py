@@ -252,6 +252,24 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
     assert widest <= width
 
 
+def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch):
+    """The move down the ladder compiles without the weights (it takes only the sampler's state) but they stay on
+    the device beside its two caches: its transient is its whole peak, so a move whose two caches outgrow the
+    chunk's transient decides the figure (before: compared peak to peak, the chunk's weights hid it)."""
+    run, _ = planned
+    pol, mesh = run.policies[0], run.placement.meshes[0]
+    params = run.state_template().policies[0].params
+    w = memory.tree_bytes(params)
+    # transients 200,010 and 300,000 bytes, both above the (real) start's
+    chunk_fig, move_fig = StepMemory(w + 100_000, 10, 100_000, 0), StepMemory(150_000, 150_000, 0, 0)
+    figs = iter([chunk_fig, move_fig])
+    monkeypatch.setattr(memory, "step_memory", lambda *a, **k: next(figs))
+    S = 16 * int(mesh.devices.size)
+    assert len(memory.rollout_slots.ladder(S, int(mesh.devices.size))) > 1
+    fig = memory._slot_memory(pol, mesh, params, 4, 8, S)
+    assert fig.peak - w == 300_000, fig
+
+
 def test_sampler_figure_counts_the_kernels_of_both_programs(planned, monkeypatch):
     """The sampler's figure is its larger-peak program's memory with the Pallas calls of the start (prefill) AND
     the chunk (decode) program: a chunk that dominates the peak must not report the prefill's kernels as 0 (seen

@@ -8,8 +8,8 @@ from flax import nnx
 from mrl_jax import models
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import (drive, generate_slots, ladder, min_row_steps, slot_count, slot_rollout,
-                                   trace_count)
+from mrl_jax.rollout_slots import (drive, generate_slots, ladder, min_row_steps, paged_layout, slot_count,
+                                   slot_rollout, trace_count)
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -61,14 +61,26 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
             assert stats["row_steps"] == (lengths.sum() if s == 1 else 12 * lengths.max()) == min_row_steps(lengths, s)
 
 
+def _ladder_row_steps(lengths, rungs) -> int:
+    """The row-steps of rows of kept ``lengths`` (all in the first rung's slots, no queue) that move down ``rungs``
+    at the first step their live rows fit the next one: step 0 of every row, then the rung's slots per step."""
+    need, rung, work = np.maximum(np.asarray(lengths) - 1, 0), 0, len(lengths)
+    for t in range(int(need.max(initial=0))):
+        while rung + 1 < len(rungs) and (need > t).sum() <= rungs[rung + 1]:
+            rung += 1
+        work += rungs[rung]
+    return work
+
+
 def test_the_tail_moves_to_fewer_slots(llama):
-    """36 rows (3 prompts x G 12) in S = 36 slots: once 9 rows or fewer are left (the queue is empty from the
-    start) they move to 9 slots. Tokens equal the static sampler's with and without the move; with it the
-    row-steps fall below what 36 fixed slots take at least (the bound, which they reach without it); later keys
-    (other lengths) compile nothing."""
-    assert ladder(36) == (36, 9) and ladder(128) == (128, 32, 8) and ladder(12) == (12,)
-    assert ladder(36, 4) == (36, 12) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
-    assert ladder(512) == (512, 128, 32)   # three decode programs at most
+    """36 rows (3 prompts x G 12) in S = 36 slots: once 18 rows or fewer are left (the queue is empty from the
+    start) they move to 18 slots, then to 9. Tokens equal the static sampler's with and without the moves; with
+    them the row-steps are exactly those of moves at the first step the rows fit (a chunk stops there, not at its
+    end: chunks of 4 steps would cost more), below what 36 fixed slots take at least (the bound, which they reach
+    without it); later keys (other lengths) compile nothing."""
+    assert ladder(36) == (36, 18, 9) and ladder(128) == (128, 64, 32, 16, 8) and ladder(12) == (12,)
+    assert ladder(36, 4) == (36, 20, 12, 8) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
+    assert ladder(512) == (512, 256, 128, 64, 32)   # five decode programs at most
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
     key = jax.random.key(21)
@@ -78,7 +90,8 @@ def test_the_tail_moves_to_fewer_slots(llama):
     _assert_same(out, ref)
     fixed, fixed_stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4, shrink=False)
     _assert_same(fixed, ref)
-    assert stats["rungs"] == (36, 9) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
+    assert stats["rungs"] == (36, 18, 9) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
+    assert stats["row_steps"] == _ladder_row_steps(lengths, (36, 18, 9)), stats
     assert fixed_stats["row_steps"] == min_row_steps(lengths, 36) > stats["row_steps"] >= lengths.sum()
     with CompileCounter() as cc:
         for r in range(1, 4):
@@ -88,16 +101,17 @@ def test_the_tail_moves_to_fewer_slots(llama):
 
 
 def test_the_first_call_compiles_the_rungs_it_did_not_reach(llama):
-    """A chunk of 64 steps > N: the first call's rows end inside one chunk, so it never moves them (rungs (36,)),
-    yet it traces the 9-slot chunk and the move too (a later round that reaches them compiles nothing). N = 39:
-    shapes no other test traces the move at."""
+    """No stop ids: every row decodes to N, so the first call never moves them (rungs (36,)), yet it traces the
+    18- and 9-slot chunks and both moves too (a later round that reaches them compiles nothing). N = 39:
+    shapes no other test traces the moves at."""
     g, p, ids, mask = llama
-    cfg = SamplingConfig(max_new_tokens=39, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, temperature=0.9)
+    cfg = SamplingConfig(max_new_tokens=39, pad_id=0, eos_id=None, cache_bucket=16, temperature=0.9)
     key = jax.random.key(3)
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
     before = trace_count()
-    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=64)
-    assert stats["rungs"] == (36,) and trace_count() - before == 4   # start, chunk at 36, move, chunk at 9
+    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=8)
+    # start, chunk at 36, move to 18, chunk at 18, move to 9, chunk at 9
+    assert stats["rungs"] == (36,) and trace_count() - before == 6
     _assert_same(out, ref)
 
 
@@ -151,6 +165,13 @@ def test_sliding_window_and_learned_positions(family, attention):
         cfg = SamplingConfig(max_new_tokens=17, pad_id=0, eos_id=(7, 19), cache_bucket=8, **kw)
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2))
         out, _ = generate_slots(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2, slots=2, chunk=4)
+        _assert_same(out, ref)
+    if attention == "splash":   # a free slot reads one page: 18 slots keep S, no rung below traced (start, chunk)
+        assert paged_layout(gd, p)
+        ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6))
+        before = trace_count()
+        out, stats = generate_slots(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6, chunk=4)
+        assert stats["rungs"] == (18,) and trace_count() - before == 2 and ladder(18) == (18, 9)
         _assert_same(out, ref)
 
 
@@ -226,7 +247,7 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
         assert c["gathered_keys"] == 0, (d, c)   # each slot's cache write stays on its device
     assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
     lad = r["ladder"]   # 48 rows on 2 devices: the tail moved to 12 slots, each device's rows within its own slots
-    assert lad["rungs"] == [48, 12] and lad["tokens_equal"] and lad["mask_equal"] and lad["logprob_diff"] <= 1e-5, lad
+    assert lad["rungs"] == [48, 24, 12] and lad["tokens_equal"] and lad["mask_equal"] and lad["logprob_diff"] <= 1e-5, lad
     assert lad["move_collectives"] == 0, lad
 
 

@@ -129,11 +129,13 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
-    rungs = rollout_slots.ladder(S, int(mesh.devices.size))
+    rungs = rollout_slots.ladder(S, int(mesh.devices.size), not rollout_slots.paged_layout(pol.graphdef, params))
     third = second if len(rungs) == 1 else step_memory(
         jax.jit(lambda st: rollout_slots._compact(st, slots=rungs[1], rows=rows)), state)
     if first is None or second is None or third is None:
         return None
+    if third is not second:   # the move holds no weights, but they stay resident beside its two caches
+        third = third._replace(args=third.args + tree_bytes(params))
     return max(first, second, third, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
 
 
