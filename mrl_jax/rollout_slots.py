@@ -63,7 +63,7 @@ from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
-           "ladder", "paged_layout"]
+           "ladder", "rungs", "paged_layout"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
@@ -109,6 +109,12 @@ def paged_layout(graphdef, params) -> bool:
         mcfg = getattr(nnx.merge(graphdef, params), "config", None)
         _PAGED[graphdef] = getattr(mcfg, "attention", None) == "splash"
     return _PAGED[graphdef]
+
+
+def rungs(graphdef, params, slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
+    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` on the
+    ``heads`` cache layout, ``(slots,)`` on the ``pages`` one (:func:`paged_layout`)."""
+    return ladder(slots, multiple, shrink and not paged_layout(graphdef, params))
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
@@ -401,9 +407,9 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    rungs = ladder(s, 1 if mesh is None else int(mesh.devices.size), shrink and not paged_layout(graphdef, params))
-    programs = _programs(graphdef, config, g, rungs, width, int(chunk), admit, rows)
-    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), rungs,
+    sizes = rungs(graphdef, params, s, 1 if mesh is None else int(mesh.devices.size), shrink)
+    programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows)
+    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
                        b, mesh, rows)
     next(gen)
     return gen

@@ -2,6 +2,7 @@
 compiled memory analysis of each policy's steps, a stop before any RL work with the computed fixes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -268,6 +269,11 @@ def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch)
     assert len(memory.rollout_slots.ladder(S, int(mesh.devices.size))) > 1
     fig = memory._slot_memory(pol, mesh, params, 4, 8, S)
     assert fig.peak - w == 300_000, fig
+    # sampling.ladder false: S slots to the end, no move to plan for (the chunk's figure decides)
+    fixed = dataclasses.replace(pol, spec=dataclasses.replace(
+        pol.spec, sampling=dataclasses.replace(pol.spec.sampling, ladder=False)))
+    figs = iter([chunk_fig])
+    assert memory._slot_memory(fixed, mesh, params, 4, 8, S).peak - w == 200_010
 
 
 def test_sampler_figure_counts_the_kernels_of_both_programs(planned, monkeypatch):

@@ -129,7 +129,7 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
-    rungs = rollout_slots.ladder(S, int(mesh.devices.size), not rollout_slots.paged_layout(pol.graphdef, params))
+    rungs = rollout_slots.rungs(pol.graphdef, params, S, int(mesh.devices.size), pol.spec.sampling.ladder)
     third = second if len(rungs) == 1 else step_memory(
         jax.jit(lambda st: rollout_slots._compact(st, slots=rungs[1], rows=rows)), state)
     if first is None or second is None or third is None:

@@ -226,8 +226,8 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
     P = prompt_ids.shape[0]
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
     out, = drive([slot_rollout(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
-                               slots=policy.slots,
-                               width=max(policy.slot_width, ids.shape[1]), mesh=mesh)])
+                               slots=policy.slots, width=max(policy.slot_width, ids.shape[1]), mesh=mesh,
+                               shrink=policy.spec.sampling.ladder)])
     return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
 
 

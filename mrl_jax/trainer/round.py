@@ -156,7 +156,8 @@ def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.nd
     admitted as slots free), on one process or several."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
-                        slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh)
+                        slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh,
+                        shrink=pol.spec.sampling.ladder)
 
 
 def _trim(out, rows: int):
