@@ -55,6 +55,21 @@ LONGTAIL = {
 SLOT_FRACTIONS = {"slots_all": 1, "slots_quarter": 4, "slots_16th": 16}
 
 
+# ladders of slot counts the default S (every row) could move down, to read off what a row-step target costs in
+# decode programs: (ratio between rungs, the last rung's floor); "default" is rollout_slots.ladder's
+LADDERS = {"halving_to_8": (2, 8), "halving_to_1": (2, 1), "four_per_doubling_to_1": (2 ** 0.25, 1),
+           "eight_per_doubling_to_1": (2 ** 0.125, 1)}
+
+
+def geometric_ladder(rows: int, ratio: float, floor: int) -> tuple:
+    """Slot counts from ``rows`` down, each the last / ``ratio`` rounded up (always at least one less), while >=
+    ``floor``."""
+    out = [int(rows)]
+    while min(out[-1] - 1, int(np.ceil(out[-1] / ratio))) >= floor:
+        out.append(min(out[-1] - 1, int(np.ceil(out[-1] / ratio))))
+    return tuple(out)
+
+
 def slot_variants(rows: int) -> dict:
     """{name: S} of :data:`SLOT_FRACTIONS` for ``rows`` rows."""
     return {name: max(1, rows // f) for name, f in SLOT_FRACTIONS.items()}
@@ -275,7 +290,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
 
     from mrl_jax.compile_stats import CompileCounter
     from mrl_jax.rollout import generate
-    from mrl_jax.rollout_slots import generate_slots, min_row_steps
+    from mrl_jax.rollout_slots import generate_slots, ladder, ladder_row_steps, min_row_steps
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
@@ -287,7 +302,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
             static = jax.device_get(generate(graphdef, params, jids, jmask, key, cfg, num_samples=g))
         statics.append(static)
         lengths = np.asarray(static.lengths)
-        rows.append({"kept": int(lengths.sum()), "mean_length": float(lengths.mean()),
+        rows.append({"kept": int(lengths.sum()), "mean_length": float(lengths.mean()), "lengths": lengths.tolist(),
                      "max_length": int(lengths.max()), "static_row_steps": b * int(lengths.max()),
                      "static_compiles": cs.programs})
     variants = slot_variants(b)
@@ -304,7 +319,10 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
                         f"{name}_chunks": stats["chunks"],
                         f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
+    ladders = {"default": ladder(b), **{k: geometric_ladder(b, *v) for k, v in LADDERS.items()}}
+    ladder_steps = {k: sum(ladder_row_steps(x["lengths"], v) for x in rows) / kept for k, v in ladders.items()}
     return {"rounds": rows, "tokens_identical": True, "slots": variants,
+            "ladders": {k: {"rungs": len(v), "row_steps_per_kept_token": ladder_steps[k]} for k, v in ladders.items()},
             "row_steps_per_kept_token": {k: sum(x[f"{k}_row_steps"] for x in rows) / kept for k in names},
             "fixed_slots_bound_per_kept_token": {k: sum(x[f"{k}_bound"] for x in rows) / kept for k in variants},
             "compiles_per_round": {k: [x[f"{k}_compiles"] for x in rows] for k in names}}
@@ -377,6 +395,9 @@ def longtail_table(r: dict) -> str:
         lines.append(f"| {label} | {'-' if steps is None else f'{steps:.2f}'} | "
                      f"{'-' if bound is None else f'{bound:.2f}'} | {comp} | "
                      f"{'-' if t is None else f'{t:.3f}'} | {'-' if t is None else f'{kept[name] / t:.0f}'} |")
+    lines.append("row-steps per kept token at S = every row, moves at the first step the rows fit (exact, from the "
+                 "lengths): " + ", ".join(f"{k} ({v['rungs']} rungs) {v['row_steps_per_kept_token']:.2f}"
+                                          for k, v in r["ladders"].items()))
     if sec:
         lines.append("slots vs static / transformers: " + ", ".join(
             f"S {r['slots'][k]}: {r['slots_speedup_vs_static'][k]:.2f}x / {r['slots_speedup_vs_hf'][k]:.2f}x"

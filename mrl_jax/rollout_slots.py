@@ -63,7 +63,7 @@ from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
-           "ladder", "rungs", "paged_layout"]
+           "ladder_row_steps", "ladder", "rungs", "paged_layout"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
@@ -468,6 +468,20 @@ def min_row_steps(lengths, slots: int) -> int:
     dominate: S * (max(L) - 1) / sum(L) row-steps per kept token at least."""
     need = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
     return int(need.size + slots * max(int(need.max(initial=0)), -(-int(need.sum()) // slots)))
+
+
+def ladder_row_steps(lengths, sizes: Sequence[int]) -> int:
+    """The row-steps (``stats["row_steps"]``) of rows of kept ``lengths`` (int[B], token 0 from the prefill) that
+    all start in the first of the slot counts ``sizes`` (S >= B: no queue) and move down them at the first step
+    their live rows fit the next one, as the sampler does on one device: step 0 of every row, then each step the
+    slots of its rung. ``(S,)``: :func:`min_row_steps` at S >= B."""
+    need, rung, work = np.maximum(np.asarray(lengths, np.int64) - 1, 0), 0, int(np.size(lengths))
+    for t in range(int(need.max(initial=0))):
+        live = int((need > t).sum())
+        while rung + 1 < len(sizes) and live <= sizes[rung + 1]:
+            rung += 1
+        work += int(sizes[rung])
+    return work
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:

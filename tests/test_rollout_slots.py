@@ -8,8 +8,8 @@ from flax import nnx
 from mrl_jax import models
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import (drive, generate_slots, ladder, min_row_steps, paged_layout, slot_count,
-                                   slot_rollout, trace_count)
+from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
+                                   slot_count, slot_rollout, trace_count)
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -61,17 +61,6 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
             assert stats["row_steps"] == (lengths.sum() if s == 1 else 12 * lengths.max()) == min_row_steps(lengths, s)
 
 
-def _ladder_row_steps(lengths, rungs) -> int:
-    """The row-steps of rows of kept ``lengths`` (all in the first rung's slots, no queue) that move down ``rungs``
-    at the first step their live rows fit the next one: step 0 of every row, then the rung's slots per step."""
-    need, rung, work = np.maximum(np.asarray(lengths) - 1, 0), 0, len(lengths)
-    for t in range(int(need.max(initial=0))):
-        while rung + 1 < len(rungs) and (need > t).sum() <= rungs[rung + 1]:
-            rung += 1
-        work += rungs[rung]
-    return work
-
-
 def test_the_tail_moves_to_fewer_slots(llama):
     """36 rows (3 prompts x G 12) in S = 36 slots: once 18 rows or fewer are left (the queue is empty from the
     start) they move to 18 slots, then to 9. Tokens equal the static sampler's with and without the moves; with
@@ -91,7 +80,8 @@ def test_the_tail_moves_to_fewer_slots(llama):
     fixed, fixed_stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4, shrink=False)
     _assert_same(fixed, ref)
     assert stats["rungs"] == (36, 18, 9) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
-    assert stats["row_steps"] == _ladder_row_steps(lengths, (36, 18, 9)), stats
+    assert stats["row_steps"] == ladder_row_steps(lengths, (36, 18, 9)), stats
+    assert ladder_row_steps(lengths, (36,)) == min_row_steps(lengths, 36)
     assert fixed_stats["row_steps"] == min_row_steps(lengths, 36) > stats["row_steps"] >= lengths.sum()
     with CompileCounter() as cc:
         for r in range(1, 4):
