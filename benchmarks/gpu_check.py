@@ -30,6 +30,8 @@ Sections (in order; see ``SECTIONS``):
                   and the early-stop while_loop (eos set, never hit) vs the fixed-trip loop.
   update_long_seq the update at 16 x (256 + 4096) tokens with remat + blockwise attention: compiled memory,
                   peak device memory, MFU.
+  slots_longtail  ``rollout_slots.generate_slots`` (S = every row, with and without the ladder) against
+                  ``generate`` on long-tailed lengths: seconds, compiles, row-steps per kept token.
   update_step_mfu HOOK for the lead: fill in :func:`update_step_mfu` (GRPO update-step MFU); it gets
                   the shared context (model, graphdef, params, flop/byte helpers, peak numbers).
 
@@ -296,6 +298,42 @@ def section_sampler_variants(ctx: Context) -> dict:
     return out
 
 
+def section_slots_longtail(ctx: Context) -> dict:
+    """The slot sampler on long-tailed lengths against the static sampler (issue 34): 256 rows (32 prompts x G 8;
+    tiny: 16), 128 + 512 tokens, a stop set of V * 8 / N ids (the random model's lengths roughly geometric, mean
+    ~N / 8). Reports each sampler's median seconds, first call (compiles), row-steps per kept token, and the
+    fraction of tokens equal to the static sampler's (bf16: the two attention paths may round apart)."""
+    import jax
+
+    from mrl_jax.rollout import SamplingConfig, generate
+    from mrl_jax.rollout_slots import generate_slots
+
+    if ctx.params is None:
+        build_model(ctx)
+    vocab = ctx.shape["model"]["vocab_size"]
+    p, g, tp, n = (2, 8, 16, 64) if ctx.tiny else (32, 8, 128, 512)
+    ids, mask, _ = _prompts(p, tp, vocab)
+    cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, eos_id=tuple(range(3, 3 + max(1, vocab * 8 // n))),
+                         pad_id=0)
+    key, host_ids, host_mask = jax.random.key(7), np.asarray(ids), np.asarray(mask)
+    t = timeit(lambda: _block(generate(ctx.graphdef, ctx.params, ids, mask, key, cfg, num_samples=g)))   # compiles
+    static = jax.device_get(generate(ctx.graphdef, ctx.params, ids, mask, key, cfg, num_samples=g))
+    kept = int(static.lengths.sum())
+    res = {"rows": p * g, "prompt_len": tp, "new_tokens": n, "kept_tokens": kept,
+           "mean_length": kept / (p * g), "max_length": int(static.lengths.max()), "static": t}
+    for name, kw in {"slots_ladder": {}, "slots_fixed": {"shrink": False}}.items():
+        if ctx.left() < 20:
+            res[name] = {"skipped": "time budget"}
+            continue
+        t = timeit(lambda: generate_slots(ctx.graphdef, ctx.params, host_ids, host_mask, key, cfg, num_samples=g,
+                                          **kw))   # first_s: with the compiles of every rung
+        out, stats = generate_slots(ctx.graphdef, ctx.params, host_ids, host_mask, key, cfg, num_samples=g, **kw)
+        res[name] = {**t, "rungs": list(stats["rungs"]), "row_steps_per_kept_token": stats["row_steps"] / kept,
+                     "tokens_equal_fraction": float(np.mean(out.tokens == static.tokens)),
+                     "speedup_vs_static": res["static"]["median_s"] / t["median_s"]}
+    return res
+
+
 def update_step_mfu(ctx: Context) -> dict:
     """The jitted GRPO update (probe ``none``, chunked log-softmax, AdamW) on batch 16 x 1024 tokens
     (64 prompt + 960 completion) of the bf16 model; MFU against a measured bf16 matmul ceiling and the
@@ -384,6 +422,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict], float]] = [
     ("update_step_mfu", section_update_step_mfu, 20),
     ("update_long_seq", update_long_seq, 60),
     ("sampler_variants", section_sampler_variants, 40),
+    ("slots_longtail", section_slots_longtail, 90),
 ]
 
 
