@@ -71,7 +71,7 @@ def test_two_policy_run_completes_for_every_probe(probe_run):
     assert support.contiguity_problems(records, POLICIES, 2) == []
     for rec in records:
         for key in ["loss", "reward/mean", "skipped", "completion/mean_length", "see/added", "time/update",
-                    "data/prompts_rejected"] + PROBE_METRICS[probe]:
+                    "data/prompts_rejected", "sampler/row_steps_per_token"] + PROBE_METRICS[probe]:
             assert key in rec, (probe, key)
         assert np.isfinite(rec["loss"]) and rec["skipped"] == 0.0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -236,6 +236,7 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
 
     import jax
 
+    from mrl_jax import rollout_slots
     from mrl_jax.trainer.placement import mesh_generate
     from mrl_jax.trainer.round import RoundKeys, _rollouts
 
@@ -246,8 +247,14 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
     data = [np.asarray(jax.random.key_data(k)).tobytes() for k in keys.rollout + keys.update]
     assert len(set(data)) == 2 * len(run.policies)
     texts = [p.text for p in inputs.prompts]
-    sampled, _ = _rollouts(run.policies, state.policies, texts, keys, nullcontext, 0.0)
-    for pol, ps, (ids, mask, out) in zip(run.policies, state.policies, sampled):
+    sampled, _, samplers = _rollouts(run.policies, state.policies, texts, keys, nullcontext, 0.0)
+    for pol, ps, (ids, mask, out), fig in zip(run.policies, state.policies, sampled, samplers):
+        # the round's sampler figures: S = every row on one device, the row-steps of its ladder's moves exactly
+        S, lengths = len(texts) * pol.num_generations, np.asarray(out.lengths)
+        sizes = rollout_slots.rungs(pol.graphdef, ps.params, S, 1, pol.spec.sampling.ladder)
+        assert fig["sampler/slots"] == S and fig["sampler/last_rung"] in sizes, fig
+        assert fig["sampler/row_steps_per_token"] * lengths.sum() == pytest.approx(
+            rollout_slots.ladder_row_steps(lengths, sizes)), (fig, sizes)
         same = mesh_generate(pol, ps.params, ids, mask, keys.rollout[pol.index], pol.sampling,
                              num_samples=pol.num_generations)
         other = mesh_generate(pol, ps.params, ids, mask, keys.update[pol.index], pol.sampling,

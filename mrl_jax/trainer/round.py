@@ -188,9 +188,10 @@ class RoundKeys(NamedTuple):
 
 
 def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: Sequence[str], keys: "RoundKeys",
-              guard, t0: float) -> tuple[list, list]:
-    """([(prompt_ids, prompt_mask, Rollout)] on the host, [stamps]) of every policy: every rollout dispatched
-    before any result is read; results fetched to the host, trimmed."""
+              guard, t0: float) -> tuple[list, list, list]:
+    """([(prompt_ids, prompt_mask, Rollout)] on the host, [stamps], [sampler figures]) of every policy: every
+    rollout dispatched before any result is read; results fetched to the host, trimmed. The sampler figures
+    (`_sampler_metrics`) are empty where the mesh spans processes (the sampler reports none there)."""
     encoded, launched, stamps = [], [], []
     for pol, ps in zip(policies, states):
         ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts, max_width=pol.prompt_limit)  # [P, Tp]
@@ -198,14 +199,28 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
             launched.append(_dispatch_rollout(pol, ps, ids, mask, keys.rollout[pol.index]))
         encoded.append((ids, mask))
         stamps.append({"rollout_dispatched": time.perf_counter() - t0})
+    stats: list = []
     with guard():   # the slot samplers to the end, one program of each policy in turn
-        launched = drive(launched)
-    out = []
-    for pol, (ids, mask), run, st in zip(policies, encoded, launched, stamps):
+        launched = drive(launched, stats)
+    out, samplers = [], []
+    for pol, (ids, mask), run, st, info in zip(policies, encoded, launched, stamps, stats):
         st["rollout_read"] = time.perf_counter() - t0
-        out.append((ids, mask, _trim(fetch(pol.mesh, run), len(texts) * pol.num_generations)))  # several processes: broadcast
+        whole = fetch(pol.mesh, run)   # several processes: broadcast
+        out.append((ids, mask, _trim(whole, len(texts) * pol.num_generations)))
         st["rollout_ready"] = time.perf_counter() - t0
-    return out, stamps
+        samplers.append(_sampler_metrics(info, whole))
+    return out, stamps, samplers
+
+
+def _sampler_metrics(stats: dict | None, rollout) -> dict:
+    """The slot sampler's figures of one rollout (``sampler/`` metrics; {} without ``stats``): row-steps per kept
+    token (1.0: no slot ever idle), decode steps, S and the slots it ended in (the ladder's last rung reached); the
+    padding prompts' rows counted as the sampler ran them."""
+    if stats is None:
+        return {}
+    return {"sampler/row_steps_per_token": stats["row_steps"] / max(int(np.asarray(rollout.lengths).sum()), 1),
+            "sampler/decode_steps": float(stats["decode_steps"]), "sampler/slots": float(stats["slots"]),
+            "sampler/last_rung": float(stats["rungs"][-1])}
 
 
 def _accuracy(score):
@@ -286,7 +301,7 @@ def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: 
 
 
 def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metrics: list, stamps: dict,
-                    inputs: RoundInputs, tau: float, times: dict) -> dict:
+                    sampler: dict, inputs: RoundInputs, tau: float, times: dict) -> dict:
     """One policy's scalar metrics of the round and its per-prompt outcomes (``groups``)."""
     r = s.score.rewards.reshape(len(inputs.prompts), pol.num_generations)
     m = {k: float(np.asarray(v)) for k, v in raw.items() if np.ndim(v) == 0}
@@ -300,6 +315,7 @@ def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metr
     m.update(_mean_metrics(thl_metrics, "thl/"))
     m.update({f"time/{k}": v for k, v in times.items()})
     m.update({f"time/{k}": v for k, v in stamps.items()})
+    m.update(sampler)
     # per-prompt outcomes (`mrl report`'s complementarity matrix): not a scalar; RunLog writes
     # it to groups.jsonl, not metrics.jsonl. rewards f32[P, G] in prompt order, tau = SEE success threshold.
     m["groups"] = {"prompt_ids": [p.id for p in inputs.prompts], "rewards": r.tolist(), "tau": float(tau)}
@@ -310,18 +326,18 @@ def _policy_metrics(pol: Policy, s: Sampled, raw: dict, see_info: dict, thl_metr
 
 
 def _sample(policies: Sequence[Policy], states: Sequence[PolicyState], prompts: Sequence, keys: "RoundKeys", scorer,
-            guard, timer: PhaseTimer, t0: float) -> tuple[list, list]:
-    """([Sampled], [stamps]): phases rollout, decode and rewards of ``prompts`` for every policy (``keys``: the
-    round's, or an extra batch's, `RoundKeys`)."""
+            guard, timer: PhaseTimer, t0: float) -> tuple[list, list, list]:
+    """([Sampled], [stamps], [sampler figures]): phases rollout, decode and rewards of ``prompts`` for every
+    policy (``keys``: the round's, or an extra batch's, `RoundKeys`)."""
     with timer("rollout"):
-        launched, stamps = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
+        launched, stamps, samplers = _rollouts(policies, states, [p.text for p in prompts], keys, guard, t0)
     with timer("decode"):
         decoded = [decode_completions(pol.tokenizer, out.tokens, out.mask, pol.sampling.eos_ids)
                    for pol, (_, _, out) in zip(policies, launched)]
     with timer("rewards"):
         scores = [scorer.score([p for p in prompts for _ in range(pol.num_generations)], texts, completion_ids=content)
                   for pol, (texts, content) in zip(policies, decoded)]
-    return [Sampled(*ln, *dec, score) for ln, dec, score in zip(launched, decoded, scores)], stamps
+    return [Sampled(*ln, *dec, score) for ln, dec, score in zip(launched, decoded, scores)], stamps, samplers
 
 
 def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, scorer, *,
@@ -340,7 +356,7 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
     prompts, states, N = list(inputs.prompts), state.policies, len(policies)
     keys = RoundKeys.of(inputs.key, N)   # split here, outside any transfer guard
-    sampled, stamps = _sample(policies, states, prompts, keys, scorer, guard, timer, t0)
+    sampled, stamps, samplers = _sample(policies, states, prompts, keys, scorer, guard, timer, t0)
     if inputs.oversampler is not None:   # dynamic sampling: more prompt batches, the kept batch's samples
         def more(extra: RoundInputs) -> list:
             return _sample(policies, states, list(extra.prompts), RoundKeys.of(extra.key, N), scorer, guard, timer,
@@ -360,7 +376,8 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     metrics, samples = {}, []
     for i, (pol, s) in enumerate(zip(policies, sampled)):
         metrics[pol.name] = _policy_metrics(pol, s, raws[i], see_infos[i], thl_metrics[i],
-                                            {**stamps[i], **update_stamps[i]}, inputs, see.tau, timer.times)
+                                            {**stamps[i], **update_stamps[i]}, samplers[i], inputs, see.tau,
+                                            timer.times)
         G = pol.num_generations
         samples += [{"policy": pol.name, "prompt": p.text, "answer": p.answer, "completion": s.texts[k * G],
                      "reward": float(s.score.rewards[k * G])} for k, p in enumerate(prompts[:num_samples_logged])]
