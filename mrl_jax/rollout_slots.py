@@ -30,13 +30,13 @@ How it works:
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
-Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot
-2 * L * K * D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs
-[P * G, N]; a move down the ladder holds both rungs' caches for its one program (1.5 x the cache, beside the
-resident weights; the ``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8,
-1024 + 4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB).
-Sharing each prompt's pages among its G slots would save Tc / C (here 20 %) of each slot, at a gathered read per
-step on the pure-JAX path.
+Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot 2 * L * K *
+D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
+down the ladder holds both rungs' caches for its one program (1.5 x the cache, beside the resident weights; the
+``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8, 1024 + 4096 tokens: C =
+5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler:
+8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its G slots would save Tc / C (here 20 %)
+of each slot, at a gathered read per step on the pure-JAX path.
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
@@ -509,12 +509,12 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
 
     Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
     ``chunk``: decode steps per program call (one host read each); ``admit``: rows admitted per step at most
-    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode
-    program across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the
-    queue is empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the
-    end). Returns (:class:`Rollout` of
-    host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
-    ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``.
+    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode program
+    across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the queue is
+    empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns
+    (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of
+    each decode step run), ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
+    ``slot_devices``.
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
