@@ -377,9 +377,10 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
                 return _chunk(graphdef, params, prompts, state, config, g, chunk, admit_count(s, admit), rows=rows,
                               below=below)
 
-        def finish(tokens, logps, mask, ended):   # the Rollout, rows split as the round's rows are (whatever rung)
+        def finish(tokens, logps, mask, ended, t, work):   # the Rollout, rows split as the round's rows are
+            counts = jnp.stack([t, tokens.shape[0] + work])   # decode steps, row-steps (step 0 of every row)
             return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
-                           lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended)
+                           lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended), counts
 
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
                                                                                                jax.jit(f, **kw)))
@@ -397,8 +398,9 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
     program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
     is (Rollout of host arrays, stats). On a mesh spanning processes every process of the mesh runs the same
-    chunks (the flag is the same everywhere) and the value is (Rollout of the mesh's arrays, None): read it with
-    ``trainer.placement.fetch`` on every process, in the same order."""
+    chunks (the flag is the same everywhere) and the value is (Rollout of the mesh's arrays, {"counts": the mesh's
+    int32[2] (decode steps, row-steps), "slots": S}): read the arrays with ``trainer.placement.fetch`` on every
+    process, in the same order."""
     if int(chunk) < 1:
         raise ValueError(f"generate_slots: chunk must be >= 1, got {chunk}")
     p, tp = np.shape(prompt_ids)
@@ -410,12 +412,12 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     sizes = rungs(graphdef, params, s, 1 if mesh is None else int(mesh.devices.size), shrink)
     programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows)
     gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
-                       b, mesh, rows)
+                       mesh, rows)
     next(gen)
     return gen
 
 
-def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh, rows):
+def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
     once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape also
     runs the rungs it did not reach (no step: the round is done), so a later round compiles nothing. A process
@@ -453,11 +455,11 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, b: int, mesh, r
         warmed.add(True)
     shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
-    out = finish(state.tokens, state.logps, state.mask, state.ended)
-    if spanning:
-        return out, None
-    out, decode, work = jax.device_get((out, state.t, state.work))
-    return out, {"row_steps": b + int(work), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
+    out, counts = finish(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
+    if spanning:   # the mesh's arrays: every process reads them with trainer.placement.fetch
+        return out, {"counts": counts, "slots": rungs[0]}
+    out, (decode, row_steps) = jax.device_get((out, counts))
+    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
                  "rungs": rungs[:rung + 1], "slot_devices": split}
 
 

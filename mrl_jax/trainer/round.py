@@ -190,8 +190,8 @@ class RoundKeys(NamedTuple):
 def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: Sequence[str], keys: "RoundKeys",
               guard, t0: float) -> tuple[list, list, list]:
     """([(prompt_ids, prompt_mask, Rollout)] on the host, [stamps], [sampler figures]) of every policy: every
-    rollout dispatched before any result is read; results fetched to the host, trimmed. The sampler figures
-    (`_sampler_metrics`) are empty where the mesh spans processes (the sampler reports none there)."""
+    rollout dispatched before any result is read; results (and the sampler's counts) fetched to the host on every
+    process, trimmed."""
     encoded, launched, stamps = [], [], []
     for pol, ps in zip(policies, states):
         ids, mask, _ = encode_prompts(pol.tokenizer, pol.prompt_format, texts, max_width=pol.prompt_limit)  # [P, Tp]
@@ -208,19 +208,20 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
         whole = fetch(pol.mesh, run)   # several processes: broadcast
         out.append((ids, mask, _trim(whole, len(texts) * pol.num_generations)))
         st["rollout_ready"] = time.perf_counter() - t0
-        samplers.append(_sampler_metrics(info, whole))
+        samplers.append(_sampler_metrics(pol, info, whole))
     return out, stamps, samplers
 
 
-def _sampler_metrics(stats: dict | None, rollout) -> dict:
-    """The slot sampler's figures of one rollout (``sampler/`` metrics; {} without ``stats``): row-steps per kept
-    token (1.0: no slot ever idle), decode steps, S and the slots it ended in (the ladder's last rung reached); the
-    padding prompts' rows counted as the sampler ran them."""
-    if stats is None:
-        return {}
-    return {"sampler/row_steps_per_token": stats["row_steps"] / max(int(np.asarray(rollout.lengths).sum()), 1),
-            "sampler/decode_steps": float(stats["decode_steps"]), "sampler/slots": float(stats["slots"]),
-            "sampler/last_rung": float(stats["rungs"][-1])}
+def _sampler_metrics(pol: Policy, stats: dict, rollout) -> dict:
+    """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
+    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. Where the mesh spans
+    processes the counts are the mesh's (`rollout_slots.slot_rollout`), fetched on every process like the rollout."""
+    if "counts" in stats:
+        decode, row_steps = fetch(pol.mesh, stats["counts"]).tolist()
+    else:
+        decode, row_steps = stats["decode_steps"], stats["row_steps"]
+    return {"sampler/row_steps_per_token": row_steps / max(int(np.asarray(rollout.lengths).sum()), 1),
+            "sampler/decode_steps": float(decode), "sampler/slots": float(stats["slots"])}
 
 
 def _accuracy(score):
