@@ -212,10 +212,13 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
     return out, stamps, samplers
 
 
-def _sampler_metrics(pol: Policy, stats: dict, rollout) -> dict:
+def _sampler_metrics(pol: Policy, stats: dict | None, rollout) -> dict:
     """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
     idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. Where the mesh spans
-    processes the counts are the mesh's (`rollout_slots.slot_rollout`), fetched on every process like the rollout."""
+    processes the counts are the mesh's (`rollout_slots.slot_rollout`), fetched on every process like the rollout.
+    {} for a rollout that came without the sampler's figures (``stats`` None: not a `slot_rollout`)."""
+    if stats is None:
+        return {}
     if "counts" in stats:
         decode, row_steps = fetch(pol.mesh, stats["counts"]).tolist()
     else:
