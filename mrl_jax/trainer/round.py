@@ -205,22 +205,23 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
     out, samplers = [], []
     for pol, (ids, mask), run, st, info in zip(policies, encoded, launched, stamps, stats):
         st["rollout_read"] = time.perf_counter() - t0
-        whole = fetch(pol.mesh, run)   # several processes: broadcast
+        counts = None if info is None else info.get("counts")   # a mesh spanning processes: the mesh's array
+        whole, counts = fetch(pol.mesh, (run, counts))   # several processes: broadcast, in one read
         out.append((ids, mask, _trim(whole, len(texts) * pol.num_generations)))
         st["rollout_ready"] = time.perf_counter() - t0
-        samplers.append(_sampler_metrics(pol, info, whole))
+        samplers.append(_sampler_metrics(info, counts, whole))
     return out, stamps, samplers
 
 
-def _sampler_metrics(pol: Policy, stats: dict | None, rollout) -> dict:
+def _sampler_metrics(stats: dict | None, counts, rollout) -> dict:
     """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
-    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. Where the mesh spans
-    processes the counts are the mesh's (`rollout_slots.slot_rollout`), fetched on every process like the rollout.
-    {} for a rollout that came without the sampler's figures (``stats`` None: not a `slot_rollout`)."""
+    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[2]
+    (decode steps, row-steps) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
+    (``stats`` holds them). {} for a rollout that came without the sampler's figures (``stats`` None)."""
     if stats is None:
         return {}
-    if "counts" in stats:
-        decode, row_steps = fetch(pol.mesh, stats["counts"]).tolist()
+    if counts is not None:
+        decode, row_steps = np.asarray(counts).tolist()
     else:
         decode, row_steps = stats["decode_steps"], stats["row_steps"]
     return {"sampler/row_steps_per_token": row_steps / max(int(np.asarray(rollout.lengths).sum()), 1),
