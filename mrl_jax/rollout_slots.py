@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import jax
@@ -67,9 +69,9 @@ __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count"
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
-SHRINK = 2   # each rung of the slot ladder holds half the slots of the one above
+FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 5    # the ladder's rungs at most: a decode program each, all compiled in the first round
+RUNGS = 10          # the ladder's rungs at most: a decode program each, all compiled in the first round
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -82,16 +84,24 @@ def trace_count() -> int:
     return _TRACES
 
 
+def _round_number(x: int) -> int:
+    """The largest 2^k or 3 * 2^k at most ``x`` (>= 1)."""
+    p = 1 << (int(x).bit_length() - 1)
+    return 3 * p // 2 if p >= 2 and 3 * p // 2 <= x else p
+
+
 def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round decodes in, largest first: ``slots``, then half the last (rounded up to a multiple
-    of ``multiple``) while that is below it and at least max(FLOOR, multiple), RUNGS at most; (slots,) without
-    ``shrink``. Once the queue is empty and the live rows fit the next rung, they move there (`_compact`): the long
-    tail of a round decodes in few slots. 128 -> (128, 64, 32, 16, 8); 512 -> (512, 256, 128, 64, 32);
-    12 -> (12,)."""
-    out = [int(slots)]
+    """The slot counts a round decodes in, largest first: ``slots``, then the largest 2^k or 3 * 2^k at most 3/4 of
+    the last (above FINE slots) or half of it (at or below), rounded up to a multiple of ``multiple``, while that
+    is below the last and at least max(FLOOR, multiple), RUNGS at most; (slots,) without ``shrink``. Once the
+    queue is empty and the live rows fit the next rung, they move there (`_compact`): the long tail of a round
+    decodes in few slots, each step above FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost
+    dominates). 128 -> (128, 96, 64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48,
+    32, 16, 8); 12 -> (12,)."""
+    out, m = [int(slots)], int(multiple)
     while shrink and len(out) < RUNGS:
-        nxt = -(-(-(-out[-1] // SHRINK)) // multiple) * multiple
-        if nxt >= out[-1] or nxt < max(FLOOR, multiple):
+        nxt = -(-_round_number(max(1, out[-1] * 3 // 4 if out[-1] > FINE else out[-1] // 2)) // m) * m
+        if nxt >= out[-1] or nxt < max(FLOOR, m):
             break
         out.append(nxt)
     return tuple(out)
@@ -307,8 +317,8 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows", "below"), donate_argnums=(3,))
 def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
            admit: int, *, rows=None, below: int | None = None):
-    """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step) before each
-    step; stops early when no row is left or when the rows fit ``below`` slots per device block with the queue
+    """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step; 0: no queue to
+    refill from, as below the first rung or with a slot per row) before each step; stops early when no row is left or when the rows fit ``below`` slots per device block with the queue
     empty (`_fits`: not one step more at this rung before the host moves them). Returns (_State, status int32[3]:
     see `_status`)."""
     global _TRACES
@@ -318,8 +328,9 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
 
     def body(carry):
         k, st = carry
-        refill = jnp.any(st.row < 0) & (st.ptr < prompts.count)
-        st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
+        if admit:
+            refill = jnp.any(st.row < 0) & (st.ptr < prompts.count)
+            st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
         return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
 
     d = _split(rows)
@@ -358,13 +369,16 @@ def _placement(mesh, rows: int, slots: int | None):
 
 
 _PROGRAMS: dict = {}
+_COMPILER = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mrl-slot-rungs")
 
 
-def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows):
-    """(start, chunks, compacts, finish) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk program
-    per rung, a compaction from each rung to the next; jitted once per process (memoised) and, on a mesh spanning
-    processes, launched in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
-    key = (graphdef, config, g, rungs, width, chunk, admit, rows)
+def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows,
+              queue: bool = True):
+    """(start, chunks, compacts, finish, below) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk
+    program per rung (refilling its slots only at the first rung with a ``queue``: fewer slots than rows), a compaction from each rung to the next, and ``below``: {} until the first call fills it with
+    :func:`_compile_below`'s futures; jitted once per process (memoised) and, on a mesh spanning processes, launched
+    in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
+    key = (graphdef, config, g, rungs, width, chunk, admit, rows, queue)
     if key not in _PROGRAMS:
         from mrl_jax.mwra import lockstep
 
@@ -372,10 +386,9 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
             return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
                           rows=rows)
 
-        def step(s, below, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
+        def step(a, below, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
             with splash.on_mesh(None if rows is None else rows.mesh):
-                return _chunk(graphdef, params, prompts, state, config, g, chunk, admit_count(s, admit), rows=rows,
-                              below=below)
+                return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows, below=below)
 
         def finish(tokens, logps, mask, ended, t, work):   # the Rollout, rows split as the round's rows are
             counts = jnp.stack([t, tokens.shape[0] + work])   # decode steps, row-steps (step 0 of every row)
@@ -385,11 +398,52 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
                                                                                                jax.jit(f, **kw)))
         belows = tuple(s // _split(rows) for s in rungs[1:]) + (None,)
-        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, s, below), donate_argnums=(2,))
-                                             for s, below in zip(rungs, belows)),
+        admits = (admit_count(rungs[0], admit) if queue else 0,) + (0,) * (len(rungs) - 1)
+        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
+                                             for a, below in zip(admits, belows)),
                           tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
-                          wrap(finish), set())
+                          wrap(finish), {})
     return _PROGRAMS[key]
+
+
+def _abstract(tree, placed: bool | None = None):
+    """``tree``'s arrays as ShapeDtypeStructs, with their shardings where ``placed`` (None: where an array is
+    committed to its devices): what a program is compiled for -- an uncommitted array's program (one device, no
+    mesh) is JAX's default placement's, and a program compiled for a sharding is not found by the later call."""
+    def one(x):
+        keep = getattr(x, "committed", True) if placed is None else placed
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if keep else None)
+    return jax.tree.map(one, tree)
+
+
+def _compile_below(chunks_at, compacts, params, prompts, state) -> list[Future]:
+    """A future per rung below the first: the move into it and its chunk program compiled on a thread pool
+    (XLA's compile leaves the GIL; the moves chained, each rung's state shaped by the move into it) while the
+    first rung decodes, so a ladder of R rungs costs the first call about one compile, not R, where cores are
+    free. ``chunks_at`` / ``compacts``: jitted functions (`jax.jit`'s ``lower``); the driver waits for a rung's
+    future before calling into it, and its later call finds the programs in JAX's cache."""
+    placed = bool(jax.tree.leaves(state)[0].committed)   # the moves' outputs are placed as their inputs are
+    params, prompts = _abstract(params), _abstract(prompts)
+    done = [Future() for _ in compacts]
+
+    def rung(r, state):   # r >= 1: the move from rung r - 1, then rung r's chunk
+        try:
+            state = _abstract(compacts[r - 1].lower(state).compile().out_info, placed)
+        except BaseException as e:   # no state for this rung or any below it
+            for f in done[r - 1:]:
+                f.set_exception(e)
+            return
+        if r < len(compacts):
+            _COMPILER.submit(rung, r + 1, state)
+        try:
+            chunks_at[r].lower(params, prompts, state).compile()
+            done[r - 1].set_result(r)
+        except BaseException as e:
+            done[r - 1].set_exception(e)
+
+    if compacts:
+        _COMPILER.submit(rung, 1, _abstract(state))
+    return done
 
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
@@ -410,7 +464,7 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
     sizes = rungs(graphdef, params, s, 1 if mesh is None else int(mesh.devices.size), shrink)
-    programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows)
+    programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows, queue=s < b)
     gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
                        mesh, rows)
     next(gen)
@@ -419,12 +473,22 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
 
 def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
-    once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape also
-    runs the rungs it did not reach (no step: the round is done), so a later round compiles nothing. A process
-    holding none of the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
-    start, chunks_at, compacts, finish, warmed = programs
+    once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape
+    compiles the rungs below the first in the background (:func:`_compile_below`, one process) and runs the rungs
+    it did not reach (no step: the round is done), so a later round compiles nothing. A process holding none of
+    the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
+    start, chunks_at, compacts, finish, below = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
         prompts, state, status = start(params, ids, mask, key)
+    first = not below
+    if first:
+        below["futures"] = (_compile_below(chunks_at, compacts, params, prompts, state) if jax.process_count() == 1
+                            else [])
+
+    def move(rung, state):   # into rung + 1, once its programs are compiled
+        if rung < len(below["futures"]):
+            below["futures"][rung].result()
+        return compacts[rung](state), rung + 1
     yield
     spanning = jax.process_count() > 1 and mesh is not None
     here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
@@ -447,12 +511,12 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
             status = ahead_status
             chunks += 1
             while rung + 1 < len(rungs) and not queued and most <= rungs[rung + 1] // blocks:   # rows only leave
-                state, rung = compacts[rung](state), rung + 1
-    if here and not warmed:   # every rung compiled in the first round, whatever its lengths
-        for r in range(rung, len(rungs) - 1):
-            state = compacts[r](state)
-            state, _ = chunks_at[r + 1](params, prompts, state)
-        warmed.add(True)
+                state, rung = move(rung, state)
+    if here and first:   # every rung compiled in the first round, whatever its lengths
+        r = rung
+        while r + 1 < len(rungs):
+            state, r = move(r, state)
+            state, _ = chunks_at[r](params, prompts, state)
     shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
     out, counts = finish(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)

@@ -49,7 +49,7 @@ def main() -> dict:
             "sharded_params": sum(len(x.sharding.device_set) == d and not x.sharding.is_fully_replicated
                                   for x in jax.tree.leaves(params)),
         }
-    # the ladder on 2 devices: 4 prompts x G 12 = 48 rows in 48 slots, the tail moved to 24, then 12 (6 per device)
+    # the ladder on 2 devices: 4 prompts x G 12 = 48 rows in 48 slots, the tail moved to 32, 16, then 8 (4 per device)
     mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(2), ("data",))
     params = mwra.put(p, mwra.param_shardings(p, mesh, min_size=0))
     pids, pmask = pad_prompts(ids, mask, 2)

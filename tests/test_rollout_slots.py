@@ -62,14 +62,16 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
 
 
 def test_the_tail_moves_to_fewer_slots(llama):
-    """36 rows (3 prompts x G 12) in S = 36 slots: once 18 rows or fewer are left (the queue is empty from the
-    start) they move to 18 slots, then to 9. Tokens equal the static sampler's with and without the moves; with
+    """36 rows (3 prompts x G 12) in S = 36 slots: once 24 rows or fewer are left (the queue is empty from the
+    start) they move to 24 slots, then to 12. Tokens equal the static sampler's with and without the moves; with
     them the row-steps are exactly those of moves at the first step the rows fit (a chunk stops there, not at its
     end: chunks of 4 steps would cost more), below what 36 fixed slots take at least (the bound, which they reach
     without it); later keys (other lengths) compile nothing."""
-    assert ladder(36) == (36, 18, 9) and ladder(128) == (128, 64, 32, 16, 8) and ladder(12) == (12,)
-    assert ladder(36, 4) == (36, 20, 12, 8) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
-    assert ladder(512) == (512, 256, 128, 64, 32)   # five decode programs at most
+    # 3/4 steps above 32 slots (to 2^k or 3 * 2^k), halves below, floor 8; multiples of the devices
+    assert ladder(36) == (36, 24, 12) and ladder(128) == (128, 96, 64, 48, 32, 16, 8) and ladder(12) == (12,)
+    assert ladder(36, 4) == (36, 24, 12, 8) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
+    assert ladder(100) == (100, 64, 48, 32, 16, 8) and ladder(48, 6) == (48, 36, 24, 12) and ladder(18) == (18, 8)
+    assert ladder(512) == (512, 384, 256, 192, 128, 96, 64, 48, 32, 16)   # ten decode programs at most
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
     key = jax.random.key(21)
@@ -79,8 +81,8 @@ def test_the_tail_moves_to_fewer_slots(llama):
     _assert_same(out, ref)
     fixed, fixed_stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4, shrink=False)
     _assert_same(fixed, ref)
-    assert stats["rungs"] == (36, 18, 9) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
-    assert stats["row_steps"] == ladder_row_steps(lengths, (36, 18, 9)), stats
+    assert stats["rungs"] == (36, 24, 12) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
+    assert stats["row_steps"] == ladder_row_steps(lengths, (36, 24, 12)), stats
     assert ladder_row_steps(lengths, (36,)) == min_row_steps(lengths, 36)
     assert fixed_stats["row_steps"] == min_row_steps(lengths, 36) > stats["row_steps"] >= lengths.sum()
     with CompileCounter() as cc:
@@ -91,18 +93,22 @@ def test_the_tail_moves_to_fewer_slots(llama):
 
 
 def test_the_first_call_compiles_the_rungs_it_did_not_reach(llama):
-    """No stop ids: every row decodes to N, so the first call never moves them (rungs (36,)), yet it traces the
-    18- and 9-slot chunks and both moves too (a later round that reaches them compiles nothing). N = 39:
-    shapes no other test traces the moves at."""
+    """No stop ids: every row decodes to N, so the first call never moves them (rungs (36,)), yet it compiles the
+    24- and 12-slot chunks and both moves too (a later round that reaches them compiles nothing), each program
+    once: the rungs below compile on threads while the first decodes, for the shapes and placement the driver
+    then calls them with (a mismatch would compile them twice), under the round's transfer guard too. N = 39 / 37:
+    shapes no other test compiles the moves at."""
     g, p, ids, mask = llama
-    cfg = SamplingConfig(max_new_tokens=39, pad_id=0, eos_id=None, cache_bucket=16, temperature=0.9)
-    key = jax.random.key(3)
-    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
-    before = trace_count()
-    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=8)
-    # start, chunk at 36, move to 18, chunk at 18, move to 9, chunk at 9
-    assert stats["rungs"] == (36,) and trace_count() - before == 6
-    _assert_same(out, ref)
+    for n, guard in ((39, "allow"), (37, "disallow")):
+        cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=None, cache_bucket=16, temperature=0.9)
+        key = jax.random.key(3)
+        ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
+        before = trace_count()
+        with CompileCounter() as cc, jax.transfer_guard(guard):
+            out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=8)
+        # start, chunk at 36, move to 24, chunk at 24, move to 12, chunk at 12; and the finish
+        assert stats["rungs"] == (36,) and trace_count() - before == 6 and cc.programs == 7, (guard, cc.programs)
+        _assert_same(out, ref)
 
 
 def _stop_set(tokens: np.ndarray) -> tuple:
@@ -161,7 +167,7 @@ def test_sliding_window_and_learned_positions(family, attention):
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6))
         before = trace_count()
         out, stats = generate_slots(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6, chunk=4)
-        assert stats["rungs"] == (18,) and trace_count() - before == 2 and ladder(18) == (18, 9)
+        assert stats["rungs"] == (18,) and trace_count() - before == 2 and ladder(18) == (18, 8)
         _assert_same(out, ref)
 
 
@@ -210,11 +216,31 @@ def test_a_free_slot_attends_over_one_entry(llama):
             np.testing.assert_array_equal(qpos[live], plen[row[live] // 4] + step[live] - 1)
     assert idle > 0
 
+def test_no_refill_where_no_row_can_queue(llama):
+    """The decode program refills free slots (a conditional admit before each step) only at the first rung with
+    fewer slots than rows: with a slot per row, and at every rung below the first (reached with the queue empty),
+    the step has no admit conditional to evaluate (the attention's switch over cache parts stays, the same at every
+    rung). The sampler's programs say which they run."""
+    from mrl_jax import rollout_slots
+
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
+
+    def conds(slots):   # conditionals in each rung's decode program, largest rung first
+        generate_slots(g, p, ids, mask, jax.random.key(1), cfg, num_samples=12, slots=slots, chunk=4)
+        (prog,) = [v for k, v in rollout_slots._PROGRAMS.items() if k[0] is g and k[1] == cfg and k[3][0] == slots]
+        prompts, state, _ = jax.eval_shape(lambda: rollout_slots._start(g, p, ids, mask, jax.random.key(1), cfg,
+                                                                        num_samples=12, slots=slots, width=8))
+        return [str(jax.make_jaxpr(chunk)(p, prompts, state)).count(" cond[") for chunk in prog[1]]
+    every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
+    assert len(set(every_row)) == 1 and queued == [every_row[0] + 1, every_row[0]], (every_row, queued)
+
+
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
     """On 4 forced CPU devices (3 prompts padded to 4, 12 rows in S = 5 -> 8 slots; FSDP-sharded params) and on 3
     (9 rows, 9 slots), under ``transfer_guard("disallow")``: the real rows' tokens equal the 1-device static
     sampler's, the slots are split over the devices, and a decode step's cache write moves no keys between them.
-    On 2 devices 48 rows move down the ladder to 12 slots with the same tokens, no cache crossing devices."""
+    On 2 devices 48 rows move down the ladder to 8 slots with the same tokens, no cache crossing devices."""
     import subprocess
     import sys
     from pathlib import Path
@@ -236,8 +262,8 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
         assert c["slots"] % int(d) == 0 and c["slot_devices"] == int(d), (d, c)
         assert c["gathered_keys"] == 0, (d, c)   # each slot's cache write stays on its device
     assert r["cases"]["4"]["slots"] == 8 and r["cases"]["4"]["sharded_params"] > 0
-    lad = r["ladder"]   # 48 rows on 2 devices: the tail moved to 12 slots, each device's rows within its own slots
-    assert lad["rungs"] == [48, 24, 12] and lad["tokens_equal"] and lad["mask_equal"] and lad["logprob_diff"] <= 1e-5, lad
+    lad = r["ladder"]   # 48 rows on 2 devices: the tail moved to 8 slots, each device's rows within its own slots
+    assert lad["rungs"] == [48, 32, 16, 8] and lad["tokens_equal"] and lad["mask_equal"] and lad["logprob_diff"] <= 1e-5, lad
     assert lad["move_collectives"] == 0, lad
 
 

@@ -124,7 +124,7 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     shapes = jax.eval_shape(start, params, ids, mask, _key(mesh))[:2]
     shardings = compiled.output_shardings[:2]
     prompts, state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    admit = rollout_slots.admit_count(S)
+    admit = rollout_slots.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
     chunk = jax.jit(on_mesh(mesh, lambda p, pr, st: rollout_slots._chunk(pol.graphdef, p, pr, st, cfg, G,
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
