@@ -14,13 +14,15 @@ How it works:
   step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
   row-step waits for the host. The host reads one status per chunk (rows in the slots, rows queued), the next
   chunk already dispatched; nothing else crosses to the host until the outputs.
-* the ladder (:func:`ladder`, the ``heads`` cache layout): once the queue is empty and the rows left fit half the
-  slots, ``_compact`` moves them (and their cache entries) into that many slots and the round goes on with that
-  rung's chunk program, down to 8 slots: a long tail of lengths decodes in few slots, as the live sampler's
-  compaction did, at a fixed set of programs (a chunk per rung, a move per step down; the first call of a shape
-  compiles them all, reached or not, so no later round compiles). A chunk stops at the step its rows fit the next
-  rung, so no step runs at a rung the rows have left. The ``pages`` layout (TPU) keeps S: there a free slot reads
-  one page (:func:`paged_layout`).
+* the ladder (:func:`ladder`, the ``heads`` cache layout): once the queue is empty and the rows left fit the next
+  rung (128 slots: 96, 64, 48, 32, 16, 8), ``_compact`` moves them (and their cache entries) into that many slots
+  and the round goes on with that rung's chunk program: a long tail of lengths decodes in few slots, as the live
+  sampler's compaction did, at a fixed set of programs (a chunk per rung, a move per step down). The first call
+  of a shape compiles them all, reached or not, so no later round compiles: the rungs below the first on threads
+  while the first decodes (:func:`_compile_below`). A chunk stops at the step its rows fit the next rung, so no
+  step runs at a rung the rows have left, and only the first rung's chunk refills slots (and only with fewer slots
+  than rows): below it the queue is empty. The ``pages`` layout (TPU) keeps S: there a free slot reads one page
+  (:func:`paged_layout`).
 * the cache (:class:`mrl_jax.models.SlotCache`) holds C = Tc + N - 1 entries per slot (Tc the prompt width),
   entry e the token at position e of the slot's row: a row admitted gets its prompt (left-aligned in the prompt
   store) copied into entries [0, Tc), and each decode step writes its token at entry ``qpos`` (its position) and
@@ -32,11 +34,11 @@ How it works:
 
 Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot 2 * L * K *
 D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
-down the ladder holds both rungs' caches for its one program (1.5 x the cache, beside the resident weights; the
-``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8, 1024 + 4096 tokens: C =
-5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store (the static sampler:
-8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its G slots would save Tc / C (here 20 %)
-of each slot, at a gathered read per step on the pure-JAX path.
+down the ladder holds both rungs' caches for its one program (1.75 x the cache at the first, 3/4, step; the weights
+stay resident; the ``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8, 1024 +
+4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store
+(the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its G slots would
+save Tc / C (here 20 %) of each slot, at a gathered read per step on the pure-JAX path.
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
@@ -318,9 +320,9 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
 def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
            admit: int, *, rows=None, below: int | None = None):
     """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step; 0: no queue to
-    refill from, as below the first rung or with a slot per row) before each step; stops early when no row is left or when the rows fit ``below`` slots per device block with the queue
-    empty (`_fits`: not one step more at this rung before the host moves them). Returns (_State, status int32[3]:
-    see `_status`)."""
+    refill from, as below the first rung or with a slot per row) before each step; stops early when no row is left
+    or when the rows fit ``below`` slots per device block with the queue empty (`_fits`: not one step more at this
+    rung before the host moves them). Returns (_State, status int32[3]: see `_status`)."""
     global _TRACES
     _TRACES += 1
     model = nnx.merge(graphdef, params)
@@ -375,7 +377,8 @@ _COMPILER = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_pref
 def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows,
               queue: bool = True):
     """(start, chunks, compacts, finish, below) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk
-    program per rung (refilling its slots only at the first rung with a ``queue``: fewer slots than rows), a compaction from each rung to the next, and ``below``: {} until the first call fills it with
+    program per rung (refilling its slots only at the first rung with a ``queue``: fewer slots than rows), a
+    compaction from each rung to the next, and ``below``: {} until the first call fills it with
     :func:`_compile_below`'s futures; jitted once per process (memoised) and, on a mesh spanning processes, launched
     in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
     key = (graphdef, config, g, rungs, width, chunk, admit, rows, queue)

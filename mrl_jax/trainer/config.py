@@ -76,9 +76,10 @@ class SamplingSpec:
     slots: Optional[int] = field(None, help="decode slots of the sampler (mrl_jax.rollout_slots: rows enter as "
                                             "slots free, one decode program); None = every row (P x G), rounded "
                                             "up to a multiple of the policy's data axis")
-    ladder: bool = field(True, help="once the queue is empty, move a round's last rows to half the slots, again "
-                                    "and again down to 8 (5 rungs at most; a decode program each, all compiled in "
-                                    "round 0); TPU's paged cache keeps S; false = S slots to the end, one decode "
+    ladder: bool = field(True, help="once the queue is empty, move a round's last rows to fewer slots as they "
+                                    "fit (3/4 steps to 32, halves to 8: 128 -> 96, 64, 48, 32, 16, 8; 10 rungs at "
+                                    "most; a decode program each, all compiled in round 0, the lower ones on "
+                                    "threads); TPU's paged cache keeps S; false = S slots to the end, one decode "
                                     "program")
 
     def __post_init__(self):
