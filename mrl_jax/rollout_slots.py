@@ -73,7 +73,7 @@ _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 10          # the ladder's rungs at most: a decode program each, all compiled in the first round
+RUNGS = 10   # the ladder's rungs at most: a decode program each, all compiled in the first round
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -379,8 +379,9 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
     """(start, chunks, compacts, finish, below) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk
     program per rung (refilling its slots only at the first rung with a ``queue``: fewer slots than rows), a
     compaction from each rung to the next, and ``below``: {} until the first call fills it with
-    :func:`_compile_below`'s futures; jitted once per process (memoised) and, on a mesh spanning processes, launched
-    in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
+    :func:`_compile_below`'s futures (and "warmed" once it has run every rung); jitted once per process (memoised)
+    and, on a mesh spanning processes, launched in lockstep by every process of the mesh
+    (`mrl_jax.mwra.lockstep`)."""
     key = (graphdef, config, g, rungs, width, chunk, admit, rows, queue)
     if key not in _PROGRAMS:
         from mrl_jax.mwra import lockstep
@@ -483,14 +484,14 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     start, chunks_at, compacts, finish, below = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
         prompts, state, status = start(params, ids, mask, key)
-    first = not below
-    if first:
+    first = not below.get("warmed")
+    if "futures" not in below:
         below["futures"] = (_compile_below(chunks_at, compacts, params, prompts, state) if jax.process_count() == 1
                             else [])
 
     def move(rung, state):   # into rung + 1, once its programs are compiled
         if rung < len(below["futures"]):
-            below["futures"][rung].result()
+            below["futures"][rung].exception()   # waits; a failed compile is the call's own again, raised here
         return compacts[rung](state), rung + 1
     yield
     spanning = jax.process_count() > 1 and mesh is not None
@@ -520,6 +521,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
         while r + 1 < len(rungs):
             state, r = move(r, state)
             state, _ = chunks_at[r](params, prompts, state)
+        below["warmed"] = True
     shard = state.cache.qpos.sharding
     split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
     out, counts = finish(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
