@@ -65,15 +65,14 @@ from mrl_jax.models import splash
 from mrl_jax.models.slot_cache import SlotCache, take_blocks
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
+from mrl_jax.slot_ladder import (ladder, ladder_row_steps, min_row_steps, paged_layout, rungs,  # noqa: F401
+                                  slot_count)
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
            "ladder_row_steps", "ladder", "rungs", "paged_layout"]
 
 _TRACES = 0
 CHUNK = 32   # decode steps per chunk program call (one host read each)
-FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
-FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 10   # the ladder's rungs at most: a decode program each, all compiled in the first round
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -84,58 +83,6 @@ def admit_count(slots: int, admit: int | None = None) -> int:
 def trace_count() -> int:
     """How many times the slot sampler's programs (start or chunk) have been traced in this process."""
     return _TRACES
-
-
-def _round_number(x: int) -> int:
-    """The largest 2^k or 3 * 2^k at most ``x`` (>= 1)."""
-    p = 1 << (int(x).bit_length() - 1)
-    return 3 * p // 2 if p >= 2 and 3 * p // 2 <= x else p
-
-
-def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round decodes in, largest first: ``slots``, then the largest 2^k or 3 * 2^k at most 3/4 of
-    the last (above FINE slots) or half of it (at or below), rounded up to a multiple of ``multiple``, while that
-    is below the last and at least max(FLOOR, multiple), RUNGS at most; (slots,) without ``shrink``. Once the
-    queue is empty and the live rows fit the next rung, they move there (`_compact`): the long tail of a round
-    decodes in few slots, each step above FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost
-    dominates). 128 -> (128, 96, 64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48,
-    32, 16, 8); 12 -> (12,)."""
-    out, m = [int(slots)], int(multiple)
-    while shrink and len(out) < RUNGS:
-        nxt = -(-_round_number(max(1, out[-1] * 3 // 4 if out[-1] > FINE else out[-1] // 2)) // m) * m
-        if nxt >= out[-1] or nxt < max(FLOOR, m):
-            break
-        out.append(nxt)
-    return tuple(out)
-
-
-_PAGED: dict = {}
-
-
-def paged_layout(graphdef, params) -> bool:
-    """Whether the model's slot cache takes the ``pages`` layout (``attention: splash``, the TPU path): each slot's
-    attention reads its own length there, so a free slot costs one page and the ladder would buy no step time for
-    its compiles and moves (`slot_rollout` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's part up to
-    the furthest slot, so its tail moves down the ladder. ``params`` may be abstract (ShapeDtypeStructs)."""
-    if graphdef not in _PAGED:
-        mcfg = getattr(nnx.merge(graphdef, params), "config", None)
-        _PAGED[graphdef] = getattr(mcfg, "attention", None) == "splash"
-    return _PAGED[graphdef]
-
-
-def rungs(graphdef, params, slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` on the
-    ``heads`` cache layout, ``(slots,)`` on the ``pages`` one (:func:`paged_layout`)."""
-    return ladder(slots, multiple, shrink and not paged_layout(graphdef, params))
-
-
-def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:
-    """S: ``slots`` (None: every row; never more than the rows) rounded up to a multiple of ``multiple`` (the
-    devices the slots split over)."""
-    s = int(rows if slots is None else slots)
-    if s < 1:
-        raise ValueError(f"sampling.slots must be >= 1, got {slots}")
-    return -(-min(s, rows) // multiple) * multiple
 
 
 @struct.dataclass
@@ -530,29 +477,6 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     out, (decode, row_steps) = jax.device_get((out, counts))
     return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
                  "rungs": rungs[:rung + 1], "slot_devices": split}
-
-
-def min_row_steps(lengths, slots: int) -> int:
-    """The fewest row-steps (``stats["row_steps"]``) any sampler of ``slots`` fixed slots can take for rows of kept
-    ``lengths`` (int[B], token 0 from the prefill): step 0 of every row, then S row-steps per decode step, and at
-    least max(L) - 1 decode steps (the longest row) and sum(L - 1) / S (the work). A long tail makes the first
-    dominate: S * (max(L) - 1) / sum(L) row-steps per kept token at least."""
-    need = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
-    return int(need.size + slots * max(int(need.max(initial=0)), -(-int(need.sum()) // slots)))
-
-
-def ladder_row_steps(lengths, sizes: Sequence[int]) -> int:
-    """The row-steps (``stats["row_steps"]``) of rows of kept ``lengths`` (int[B], token 0 from the prefill) that
-    all start in the first of the slot counts ``sizes`` (S >= B: no queue) and move down them at the first step
-    their live rows fit the next one, as the sampler does on one device: step 0 of every row, then each step the
-    slots of its rung. ``(S,)``: :func:`min_row_steps` at S >= B."""
-    need, rung, work = np.maximum(np.asarray(lengths, np.int64) - 1, 0), 0, int(np.size(lengths))
-    for t in range(int(need.max(initial=0))):
-        live = int((need > t).sum())
-        while rung + 1 < len(sizes) and live <= sizes[rung + 1]:
-            rung += 1
-        work += int(sizes[rung])
-    return work
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:
