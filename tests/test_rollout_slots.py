@@ -111,6 +111,26 @@ def test_the_first_call_compiles_the_rungs_it_did_not_reach(llama):
         _assert_same(out, ref)
 
 
+def test_a_failed_background_compile_is_compiled_again_by_the_call(llama, monkeypatch):
+    """The rungs below the first compile on threads; where that fails (here: abstract inputs of the wrong shape),
+    the driver's own calls compile them and the round's tokens are the static sampler's, each program compiled
+    once by the driver. N = 35: shapes no other test compiles."""
+    from mrl_jax import rollout_slots
+
+    g, p, ids, mask = llama
+    monkeypatch.setattr(rollout_slots, "_abstract", lambda tree, placed=None: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((1,) + tuple(x.shape), x.dtype), tree))
+    cfg = SamplingConfig(max_new_tokens=35, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
+    ref = jax.device_get(generate(g, p, ids, mask, jax.random.key(4), cfg, num_samples=12))
+    out, stats = generate_slots(g, p, ids, mask, jax.random.key(4), cfg, num_samples=12, chunk=4)
+    _assert_same(out, ref)
+    (prog,) = [v for k, v in rollout_slots._PROGRAMS.items() if k[0] is g and k[1] == cfg]
+    assert len(prog[4]["futures"]) == 2 and all(f.exception() is not None for f in prog[4]["futures"])
+    with CompileCounter() as cc:   # every rung compiled in that first call all the same
+        generate_slots(g, p, ids, mask, jax.random.key(5), cfg, num_samples=12, chunk=4)
+    assert cc.programs == 0 and stats["rungs"][0] == 36
+
+
 def _stop_set(tokens: np.ndarray) -> tuple:
     """(EOS ids, first, never) read off an EOS-free sample: the first token of row ``first`` (a row that ends at
     step 0) and a few later tokens of other rows, none of which occurs in row ``never`` (a row that never ends)."""
