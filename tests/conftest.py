@@ -46,6 +46,17 @@ def fresh_clone(tmp_path_factory):
     return FreshClone(clean_clone(REPO, base / "clone"), base)
 
 
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+    """After each test, JAX's caches cleared once this worker maps more than half the kernel's limit of memory
+    regions (`support.release_compiled_programs`: XLA:CPU keeps ~100 per compiled program; a worker past the limit
+    segfaulted in its next compile)."""
+    yield
+    import support
+
+    support.release_compiled_programs(support.map_budget())
+
+
 @pytest.fixture(scope="module")
 def jax_compile_cache():
     """JAX's persistent compilation cache for one module (restored afterwards): the trainer-level modules

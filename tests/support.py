@@ -87,6 +87,41 @@ def enable_compile_cache():
     return lambda: apply(before)
 
 
+def mapped_regions() -> int | None:
+    """Memory regions this process maps (Linux ``/proc/self/maps``; None elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def map_budget(fraction: float = 0.5) -> int:
+    """``fraction`` of the kernel's limit on a process's mapped regions (``vm.max_map_count``, 65530 by default)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530
+    return int(limit * fraction)
+
+
+def release_compiled_programs(budget: int) -> bool:
+    """Clear JAX's caches (and the slot sampler's programs, whose first-call state goes with them) when this
+    process maps more than ``budget`` regions: XLA:CPU maps each compiled program's code into ~100 regions for as
+    long as a cache holds it, and past ``vm.max_map_count`` the next compile fails to allocate and segfaults (a
+    suite worker compiles thousands of programs). Returns whether it cleared them."""
+    regions = mapped_regions()
+    if regions is None or regions <= budget:
+        return False
+    import jax
+
+    from mrl_jax import rollout_slots
+
+    jax.clear_caches()
+    rollout_slots._PROGRAMS.clear()
+    return True
+
+
 def tiny_config(**overrides: Any) -> dict:
     """The tiny two-policy config as a dict, with ``overrides`` (dotted keys: ``policies.0.probes``)."""
     import yaml
