@@ -5,15 +5,22 @@ variable ``MRL_COMPILATION_CACHE`` overrides it: a directory, or ``0`` / ``off``
 turn the cache off (as does ``mrl --no-compile-cache``). Every program is cached, however quick its
 compile or small its entry (the sampler and update of tiny CPU policies compile in seconds, which is
 what every ``mrl`` start pays again without the cache).
+
+The cache is bounded (:data:`MAX_BYTES`, least recently used entries evicted; ``JAX_COMPILATION_CACHE_MAX_SIZE``
+sets another bound), and a bound makes JAX take a file lock around each entry it reads or writes: processes that
+share the directory (``mrl bench probes --jobs``, the processes of a run on one host, two runs at once) never load
+an entry another one is still writing. Unbounded, JAX writes entries in place, unlocked, and a process can load a
+half-written one: a worker of this project's test suite segfaulted in ``deserialize_executable`` that way.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "resolve_dir", "enable"]
+__all__ = ["ENV_VAR", "MAX_BYTES", "resolve_dir", "enable"]
 
 ENV_VAR = "MRL_COMPILATION_CACHE"
+MAX_BYTES = 8 * 2 ** 30   # the cache's bound where the user set none
 _OFF = {"0", "off", "false", "no", "none"}
 
 
@@ -46,4 +53,6 @@ def enable(directory: str | os.PathLike | None = None, *, disabled: bool = False
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if jax.config.jax_compilation_cache_max_size < 0:   # unbounded (JAX's default): entries read unlocked
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path

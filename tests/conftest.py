@@ -18,6 +18,10 @@ os.environ.setdefault("MRL_COMPILATION_CACHE", "off")
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the tests of benchmarks/ import them; tests/support.py is the suite's own library
     sys.path.insert(0, str(REPO))
+if os.environ.get("MRL_TEST_XLA_CACHE"):   # every process of the run (workers, children) shares the tests' cache
+    from support import compile_cache_env
+
+    os.environ.update(compile_cache_env())
 
 
 def _shared_tokenizers() -> Path:

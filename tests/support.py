@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mrl_jax.compile_cache import MAX_BYTES
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "experiments" / "configs" / "tiny_two_policy.yaml"
 TIME_KEYS = ("time/", "time_s", "hung_threads")  # wall-clock figures: excluded when comparing runs
@@ -58,7 +60,7 @@ def compile_cache_env() -> dict:
     if path is None:
         return {}
     return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_BYTES)}
 
 
 def enable_compile_cache():
@@ -70,7 +72,7 @@ def enable_compile_cache():
     import jax
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+             "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
     before = {n: getattr(jax.config, n) for n in names}
 
     def apply(values):
@@ -83,7 +85,7 @@ def enable_compile_cache():
         except Exception:  # noqa: BLE001 -- private API; without it the run is only slower
             pass
 
-    apply(dict(zip(names, (path, 0.0, -1))))
+    apply(dict(zip(names, (path, 0.0, -1, MAX_BYTES))))   # bounded: entries read and written under a lock
     return lambda: apply(before)
 
 

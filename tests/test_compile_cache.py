@@ -38,8 +38,8 @@ def test_cli_flag_parses():
     assert args.no_compile_cache and args.verb == "config-help"
 
 
-def _run(cache: Path) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+def _run(cache: Path, **env_vars) -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **env_vars}
     out = subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout
@@ -53,6 +53,20 @@ def test_two_processes_share_entries(tmp_path):
     second = _run(cache)
     assert first == second  # same result, loaded from the cache
     assert sorted(p.name for p in cache.iterdir()) == entries  # a hit: no new entry
+
+
+def test_entries_are_read_and_written_under_a_lock_within_a_bound(tmp_path):
+    """A bounded cache: JAX locks each read and write (a process sharing the directory never loads a half-written
+    entry) and keeps an access time per entry for its eviction; the user's own bound wins over ours."""
+    cache = tmp_path / "jax_cache"
+    _run(cache)
+    entries = [p.name[:-len("-cache")] for p in cache.iterdir() if p.name.endswith("-cache")]
+    assert entries and (cache / ".lockfile").exists()
+    assert all((cache / f"{e}-atime").is_file() for e in entries)
+
+    small = tmp_path / "small"
+    _run(small, JAX_COMPILATION_CACHE_MAX_SIZE="100")   # smaller than any entry: none is kept
+    assert not [p for p in small.iterdir() if p.name.endswith("-cache")]
 
 
 def test_compile_counter_counts_programs_not_calls():
