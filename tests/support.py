@@ -29,11 +29,13 @@ TIME_KEYS = ("time/", "time_s", "hung_threads")  # wall-clock figures: excluded 
 
 # ------------------------------------------------------------------------------------------ set-up
 def compile_cache_dir() -> str | None:
-    """The persistent XLA compilation cache the tests, the soak and their child processes share when
-    ``MRL_TEST_XLA_CACHE`` names a directory; None (no persistent cache) otherwise. Off by default: two full
-    suite runs with it on segfaulted in ``deserialize_executable`` (a worker loading an entry the other worker or
-    a child process had written), killing the xdist worker."""
-    return os.environ.get("MRL_TEST_XLA_CACHE") or None
+    """The persistent XLA compilation cache the child processes of the tests (and the modules using the
+    ``jax_compile_cache`` fixture) share: ``MRL_TEST_XLA_CACHE``, a directory per run of the suite by default
+    (tests/conftest.py); None (no persistent cache) when it is unset or ``off``. Bounded, so read and written
+    under a lock: unlocked, two suite runs with it on segfaulted in ``deserialize_executable`` (a worker loading
+    an entry another process was writing)."""
+    path = os.environ.get("MRL_TEST_XLA_CACHE", "")
+    return None if path.lower() in ("", "0", "off", "false", "no", "none") else path
 
 
 def free_port() -> int:
