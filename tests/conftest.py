@@ -17,8 +17,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # (tests/support.py `compile_cache_dir`) is a directory per run of the suite (MRL_TEST_XLA_CACHE=DIR names another,
 # =off none), read by the child processes the tests start (a killed run, its resume and the uninterrupted run compile
 # the same programs) and by the modules that ask for it (`jax_compile_cache`), not by every test: most tests compile
-# programs no other process builds, and each entry written to JAX's bounded cache (its lock: see
-# mrl_jax/compile_cache.py) scans the directory (on for every test: 3,204 s of tests, against 2,680 s without).
+# programs no other process builds (on for every test, in JAX's bounded cache, whose every write reads the whole
+# directory: 3,204 s of tests against 2,680 s without).
 os.environ.setdefault("MRL_COMPILATION_CACHE", "off")
 if "MRL_TEST_XLA_CACHE" not in os.environ:   # the xdist workers inherit the controller's
     os.environ["MRL_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="mrl-test-xla-")

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mrl_jax.compile_cache import MAX_BYTES
-
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "experiments" / "configs" / "tiny_two_policy.yaml"
 TIME_KEYS = ("time/", "time_s", "hung_threads")  # wall-clock figures: excluded when comparing runs
@@ -31,9 +29,9 @@ TIME_KEYS = ("time/", "time_s", "hung_threads")  # wall-clock figures: excluded 
 def compile_cache_dir() -> str | None:
     """The persistent XLA compilation cache the child processes of the tests (and the modules using the
     ``jax_compile_cache`` fixture) share: ``MRL_TEST_XLA_CACHE``, a directory per run of the suite by default
-    (tests/conftest.py); None (no persistent cache) when it is unset or ``off``. Bounded, so read and written
-    under a lock: unlocked, two suite runs with it on segfaulted in ``deserialize_executable`` (a worker loading
-    an entry another process was writing)."""
+    (tests/conftest.py); None (no persistent cache) when it is unset or ``off``. Its entries are written whole
+    (`mrl_jax.compile_cache.AtomicFileCache`): written in place by JAX, two suite runs with it on segfaulted in
+    ``deserialize_executable`` (a worker loading an entry another process was writing)."""
     path = os.environ.get("MRL_TEST_XLA_CACHE", "")
     return None if path.lower() in ("", "0", "off", "false", "no", "none") else path
 
@@ -57,38 +55,35 @@ def forced_devices_env(devices: int, base: dict | None = None) -> dict:
 
 
 def compile_cache_env() -> dict:
-    """A child process's environment for the tests' cache (empty when it is off: `compile_cache_dir`)."""
+    """A child process's environment for the tests' cache (`compile_cache_dir`; empty when it is off): the ``mrl``
+    verbs and `enable_compile_cache` turn it on there."""
     path = compile_cache_dir()
-    if path is None:
-        return {}
-    return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_BYTES)}
+    return {} if path is None else {"MRL_COMPILATION_CACHE": path}
 
 
 def enable_compile_cache():
-    """Turn the persistent compilation cache on in this process (also after jax already compiled something) when
-    `compile_cache_dir` names one; returns a function that restores the previous settings."""
+    """Turn the tests' persistent compilation cache on in this process (also after jax already compiled something)
+    as ``mrl`` does (`mrl_jax.compile_cache.enable`: entries written whole) when `compile_cache_dir` names one;
+    returns a function that restores the previous settings."""
     path = compile_cache_dir()
     if path is None:
         return lambda: None
     import jax
+    from jax._src import compilation_cache as cc
+
+    from mrl_jax import compile_cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+             "jax_persistent_cache_min_entry_size_bytes")
     before = {n: getattr(jax.config, n) for n in names}
+    compile_cache.enable(path)
+    cc.reset_cache()   # the cache decides once per process whether it is used: make it decide again
 
-    def apply(values):
-        for n, v in values.items():
+    def restore():
+        for n, v in before.items():
             jax.config.update(n, v)
-        try:  # the cache decides once per process whether it is used; make it decide again
-            from jax._src import compilation_cache as cc
-
-            cc.reset_cache()
-        except Exception:  # noqa: BLE001 -- private API; without it the run is only slower
-            pass
-
-    apply(dict(zip(names, (path, 0.0, -1, MAX_BYTES))))   # bounded: entries read and written under a lock
-    return lambda: apply(before)
+        cc.reset_cache()
+    return restore
 
 
 def mapped_regions() -> int | None:

@@ -1,8 +1,11 @@
 """mrl_jax.compile_cache: the persistent compilation cache `mrl` turns on (directory choice, off switch, entries)."""
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from mrl_jax import compile_cache
 
@@ -38,8 +41,8 @@ def test_cli_flag_parses():
     assert args.no_compile_cache and args.verb == "config-help"
 
 
-def _run(cache: Path, **env_vars) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **env_vars}
+def _run(cache: Path) -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout
@@ -55,18 +58,31 @@ def test_two_processes_share_entries(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == entries  # a hit: no new entry
 
 
-def test_entries_are_read_and_written_under_a_lock_within_a_bound(tmp_path):
-    """A bounded cache: JAX locks each read and write (a process sharing the directory never loads a half-written
-    entry) and keeps an access time per entry for its eviction; the user's own bound wins over ours."""
-    cache = tmp_path / "jax_cache"
-    _run(cache)
-    entries = [p.name[:-len("-cache")] for p in cache.iterdir() if p.name.endswith("-cache")]
-    assert entries and (cache / ".lockfile").exists()
-    assert all((cache / f"{e}-atime").is_file() for e in entries)
+def test_an_entry_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write cut short (here the rename failing; a process killed mid-write alike) leaves no entry a process
+    sharing the directory could load half of, and no temporary file; a whole entry reads back."""
+    from mrl_jax.compile_cache import AtomicFileCache
 
-    small = tmp_path / "small"
-    _run(small, JAX_COMPILATION_CACHE_MAX_SIZE="100")   # smaller than any entry: none is kept
-    assert not [p for p in small.iterdir() if p.name.endswith("-cache")]
+    cache = AtomicFileCache(str(tmp_path))
+    cache.put("k", b"x" * 1000)
+    assert cache.get("k") == b"x" * 1000
+
+    def cut(src, dst):
+        raise OSError("cut")
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(OSError):
+        cache.put("other", b"y" * 1000)
+    assert cache.get("other") is None and sorted(p.name for p in tmp_path.iterdir()) == ["k-cache"]
+
+
+def test_mrl_processes_write_through_the_atomic_cache(tmp_path):
+    """`enable` makes JAX build its cache as AtomicFileCache (JAX's own where the user bounds it)."""
+    check = PROGRAM + "from jax._src import compilation_cache as cc; print(type(cc._cache).__name__)\n"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    run = functools.partial(subprocess.run, [sys.executable, "-c", check, str(tmp_path / "c")], capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert run(env=env).stdout.split()[-1] == "AtomicFileCache"
+    assert run(env={**env, "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 ** 30)}).stdout.split()[-1] == "LRUCache"
 
 
 def test_compile_counter_counts_programs_not_calls():
