@@ -82,7 +82,7 @@ class AtomicFileCache(LRUCache):
         entry = self.path / f"{key}-cache"
         if entry.exists():
             return
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{key}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".entry-", suffix=".tmp")   # a key may be near NAME_MAX
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(value)
