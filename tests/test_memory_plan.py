@@ -3,6 +3,7 @@ compiled memory analysis of each policy's steps, a stop before any RL work with 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 
@@ -136,6 +137,29 @@ def test_cpu_without_memory_gb_compiles_nothing():
     # the sampler is sized at build all the same: one slot width (the widest train prompt) for every round
     pol = run.policies[0]
     assert pol.slot_width == memory.prompt_width(run, pol) > 0 and pol.slots is None
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({}, "S = 16 decode slots for 16 rows a round (every row); rungs 16, 8"),
+    ({"prompts_per_round": 32}, "S = 128 decode slots for 128 rows a round (every row); rungs 128, 96, 64, 48, 32, 16, 8"),
+    ({"policies.0.sampling": {"max_new_tokens": 6, "slots": 5}},
+     "S = 5 decode slots for 16 rows a round (sampling.slots 5); no ladder: S to the end"),
+    ({"prompts_per_round": 32, "policies.0.sampling": {"max_new_tokens": 6, "slots": 200}},
+     "S = 128 decode slots for 128 rows a round (sampling.slots 200); rungs 128, 96"),
+    ({"policies.0.sampling": {"max_new_tokens": 6, "ladder": False}},
+     "S = 16 decode slots for 16 rows a round (every row); no ladder: S to the end"),
+])
+def test_the_start_of_run_plan_says_each_samplers_slots_and_rungs(overrides, line, tmp_path):
+    """Without a memory plan (CPU, no ``mwra.memory_gb``) the printed plan still names each sampler's S (the
+    config's, at most the rows; unset: every row) and the rungs a round's tail moves down; plan.txt and plan.json
+    carry the same lines."""
+    from mrl_jax.trainer.loop import _write_plan
+
+    run = Run(support.to_run_config(one_policy(**overrides)))
+    assert run.memory is None and run.sampler_lines()[0].startswith(f"sampler {run.policies[0].name}: " + line)
+    _write_plan(tmp_path, run, progress=False)
+    assert (tmp_path / "plan.txt").read_text().splitlines()[-1] == run.sampler_lines()[0]
+    assert json.loads((tmp_path / "plan.json").read_text())["samplers"] == run.sampler_lines()
 
 
 def test_a_planned_run_is_built_with_the_plans_slots(planned):

@@ -237,11 +237,12 @@ def _write_plan(out: Path, run: Run, progress: bool) -> None:
     """config.json, and the device plan (printed, plan.txt, plan.json)."""
     (out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=2))
     if run.placement is not None:
-        plan = run.placement.plan
+        plan, samplers = run.placement.plan, run.sampler_lines()
+        text = "\n".join([str(plan), *samplers])
         if progress:
-            print(str(plan), flush=True)
-        (out / "plan.txt").write_text(str(plan) + "\n")
-        (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+            print(text, flush=True)
+        (out / "plan.txt").write_text(text + "\n")
+        (out / "plan.json").write_text(json.dumps({**plan.to_dict(), "samplers": samplers}, indent=2))
     if run.memory is not None:
         if progress:
             print(str(run.memory), flush=True)

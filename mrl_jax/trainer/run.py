@@ -24,7 +24,8 @@ from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.memory import plan_memory as compile_memory_plan
 from mrl_jax.trainer.memory import prompt_width
-from mrl_jax.trainer.placement import Placement, make_placement
+from mrl_jax.slot_ladder import rungs, slot_count
+from mrl_jax.trainer.placement import Placement, make_placement, pad_rows
 from mrl_jax.trainer.policy import (Policy, add_lora, build_model, build_policy, build_prompt_format,
                                     build_tokenizer)
 from mrl_jax.trainer.reference import initial_reference
@@ -138,6 +139,22 @@ class Run:
         self.memory = compile_memory_plan(self) if plan_memory and not abstract else None
         if self.memory is not None:   # the sampler as the plan compiled it: sampling.slots, or the most that fit
             self.policies = [dataclasses.replace(p, slots=f.slots) for p, f in zip(self.policies, self.memory.figures)]
+
+    def sampler_lines(self) -> list[str]:
+        """One line per policy: its sampler in a train round (`mrl_jax.rollout_slots`): the rows (P x G, P padded
+        to its data axis), the decode slots S and the ladder's rungs the round's tail moves down."""
+        out = []
+        for pol, shapes in zip(self.policies, self._abstract):
+            d = int(pol.mesh.devices.size)
+            rows = pad_rows(self.cfg.prompts_per_round, d) * pol.num_generations
+            s = slot_count(rows, pol.slots, d)
+            why = "every row" if pol.slots is None else f"sampling.slots {pol.slots}"
+            if self.memory is not None and pol.spec.sampling.slots is None:
+                why = "every row" if s == rows else "the most the memory plan fits"
+            ladder = rungs(pol.graphdef, shapes.params, s, d, pol.spec.sampling.ladder)
+            out.append(f"sampler {pol.name}: S = {s} decode slots for {rows} rows a round ({why}); "
+                       + (f"rungs {', '.join(map(str, ladder))}" if len(ladder) > 1 else "no ladder: S to the end"))
+        return out
 
     @property
     def prompt_limits(self) -> list[int]:
