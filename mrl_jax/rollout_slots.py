@@ -414,7 +414,8 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    sizes = rungs(graphdef, params, s, 1 if mesh is None else int(mesh.devices.size), shrink)
+    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size),
+                  shrink)
     programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows, queue=s < b)
     gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
                        mesh, rows)

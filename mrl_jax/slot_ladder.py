@@ -20,6 +20,7 @@ __all__ = ["ladder", "rungs", "paged_layout", "slot_count", "min_row_steps", "la
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
 RUNGS = 10   # the ladder's rungs at most: a decode program each, all compiled in the first round
+SHORT = 32   # a round of at most this many new tokens keeps its S: too short a tail to repay the rungs' compiles
 
 
 def _round_number(x: int) -> int:
@@ -59,10 +60,13 @@ def paged_layout(graphdef, params) -> bool:
     return _PAGED[graphdef]
 
 
-def rungs(graphdef, params, slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
+def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
     """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` on the
-    ``heads`` cache layout, ``(slots,)`` on the ``pages`` one (:func:`paged_layout`)."""
-    return ladder(slots, multiple, shrink and not paged_layout(graphdef, params))
+    ``heads`` cache layout for rounds of more than SHORT ``new_tokens``; ``(slots,)`` on the ``pages`` one
+    (:func:`paged_layout`) and for short rounds, whose tail lasts at most SHORT steps: too few for the rungs'
+    decode programs and moves to repay their compiles (`mrl demo --quick`, 8 new tokens: 73 s with them, 46 s
+    without; 26 s against 20 s with every program in the compilation cache)."""
+    return ladder(slots, multiple, shrink and new_tokens > SHORT and not paged_layout(graphdef, params))
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:

@@ -139,15 +139,18 @@ def test_cpu_without_memory_gb_compiles_nothing():
     assert pol.slot_width == memory.prompt_width(run, pol) > 0 and pol.slots is None
 
 
+LONG = {"max_new_tokens": 40}   # past slot_ladder.SHORT: a round long enough for the ladder
+
+
 @pytest.mark.parametrize("overrides, line", [
-    ({}, "S = 16 decode slots for 16 rows a round (every row); rungs 16, 8"),
-    ({"prompts_per_round": 32}, "S = 128 decode slots for 128 rows a round (every row); rungs 128, 96, 64, 48, 32, 16, 8"),
-    ({"policies.0.sampling": {"max_new_tokens": 6, "slots": 5}},
-     "S = 5 decode slots for 16 rows a round (sampling.slots 5); no ladder: S to the end"),
-    ({"prompts_per_round": 32, "policies.0.sampling": {"max_new_tokens": 6, "slots": 200}},
-     "S = 128 decode slots for 128 rows a round (sampling.slots 200); rungs 128, 96"),
-    ({"policies.0.sampling": {"max_new_tokens": 6, "ladder": False}},
-     "S = 16 decode slots for 16 rows a round (every row); no ladder: S to the end"),
+    ({}, "S = 16 decode slots for 16 rows a round (every row); rungs 16"),   # 6 new tokens: a short round
+    ({"policies.0.sampling": LONG}, "S = 16 decode slots for 16 rows a round (every row); rungs 16, 8"),
+    ({"prompts_per_round": 32, "policies.0.sampling": LONG},
+     "S = 128 decode slots for 128 rows a round (every row); rungs 128, 96, 64, 48, 32, 16, 8"),
+    ({"policies.0.sampling": {**LONG, "slots": 5}}, "S = 5 decode slots for 16 rows a round (sampling.slots 5); rungs 5"),
+    ({"prompts_per_round": 32, "policies.0.sampling": {**LONG, "slots": 200}},
+     "S = 128 decode slots for 128 rows a round (sampling.slots 200); rungs 128, 96, 64, 48, 32, 16, 8"),
+    ({"policies.0.sampling": {**LONG, "ladder": False}}, "S = 16 decode slots for 16 rows a round (every row); rungs 16"),
 ])
 def test_the_start_of_run_plan_says_each_samplers_slots_and_rungs(overrides, line, tmp_path):
     """Without a memory plan (CPU, no ``mwra.memory_gb``) the printed plan still names each sampler's S (the
@@ -156,7 +159,7 @@ def test_the_start_of_run_plan_says_each_samplers_slots_and_rungs(overrides, lin
     from mrl_jax.trainer.loop import _write_plan
 
     run = Run(support.to_run_config(one_policy(**overrides)))
-    assert run.memory is None and run.sampler_lines()[0].startswith(f"sampler {run.policies[0].name}: " + line)
+    assert run.memory is None and run.sampler_lines() == [f"sampler {run.policies[0].name}: " + line]
     _write_plan(tmp_path, run, progress=False)
     assert (tmp_path / "plan.txt").read_text().splitlines()[-1] == run.sampler_lines()[0]
     assert json.loads((tmp_path / "plan.json").read_text())["samplers"] == run.sampler_lines()
@@ -283,6 +286,7 @@ def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch)
     chunk's transient decides the figure (before: compared peak to peak, the chunk's weights hid it)."""
     run, _ = planned
     pol, mesh = run.policies[0], run.placement.meshes[0]
+    pol = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=40))   # a long round
     params = run.state_template().policies[0].params
     w = memory.tree_bytes(params)
     # transients 200,010 and 300,000 bytes, both above the (real) start's
@@ -293,6 +297,10 @@ def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch)
     assert len(memory.rollout_slots.ladder(S, int(mesh.devices.size))) > 1
     fig = memory._slot_memory(pol, mesh, params, 4, 8, S)
     assert fig.peak - w == 300_000, fig
+    # a short round (6 new tokens, slot_ladder.SHORT) keeps S too: no move to plan for
+    short = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=6))
+    figs = iter([chunk_fig])
+    assert memory._slot_memory(short, mesh, params, 4, 8, S).peak - w == 200_010
     # sampling.ladder false: S slots to the end, no move to plan for (the chunk's figure decides)
     fixed = dataclasses.replace(pol, spec=dataclasses.replace(
         pol.spec, sampling=dataclasses.replace(pol.spec.sampling, ladder=False)))

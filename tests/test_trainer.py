@@ -251,7 +251,8 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
     for pol, ps, (ids, mask, out), fig in zip(run.policies, state.policies, sampled, samplers):
         # the round's sampler figures: S = every row on one device, the row-steps of its ladder's moves exactly
         S, lengths = len(texts) * pol.num_generations, np.asarray(out.lengths)
-        sizes = rollout_slots.rungs(pol.graphdef, ps.params, S, 1, pol.spec.sampling.ladder)
+        sizes = rollout_slots.rungs(pol.graphdef, ps.params, S, pol.sampling.max_new_tokens, 1,
+                                    pol.spec.sampling.ladder)
         assert fig["sampler/slots"] == S, fig
         assert fig["sampler/row_steps_per_token"] * lengths.sum() == pytest.approx(
             rollout_slots.ladder_row_steps(lengths, sizes)), (fig, sizes)

@@ -79,8 +79,8 @@ class SamplingSpec:
     ladder: bool = field(True, help="once the queue is empty, move a round's last rows to fewer slots as they "
                                     "fit (3/4 steps to 32, halves to 8: 128 -> 96, 64, 48, 32, 16, 8; 10 rungs at "
                                     "most; a decode program each, all compiled in round 0, the lower ones on "
-                                    "threads); TPU's paged cache keeps S; false = S slots to the end, one decode "
-                                    "program")
+                                    "threads); TPU's paged cache and rounds of at most 32 new tokens keep S; false = "
+                                    "S slots to the end, one decode program")
 
     def __post_init__(self):
         check(self.slots is None or self.slots >= 1, "slots",

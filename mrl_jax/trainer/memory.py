@@ -129,7 +129,8 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
-    rungs = rollout_slots.rungs(pol.graphdef, params, S, int(mesh.devices.size), pol.spec.sampling.ladder)
+    rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
+                                pol.spec.sampling.ladder)
     third = second if len(rungs) == 1 else step_memory(
         jax.jit(lambda st: rollout_slots._compact(st, slots=rungs[1], rows=rows)), state)
     if first is None or second is None or third is None:

@@ -142,7 +142,7 @@ class Run:
 
     def sampler_lines(self) -> list[str]:
         """One line per policy: its sampler in a train round (`mrl_jax.rollout_slots`): the rows (P x G, P padded
-        to its data axis), the decode slots S and the ladder's rungs the round's tail moves down."""
+        to its data axis), the decode slots S and the rungs the round's tail moves down (`slot_ladder.rungs`)."""
         out = []
         for pol, shapes in zip(self.policies, self._abstract):
             d = int(pol.mesh.devices.size)
@@ -151,9 +151,9 @@ class Run:
             why = "every row" if pol.slots is None else f"sampling.slots {pol.slots}"
             if self.memory is not None and pol.spec.sampling.slots is None:
                 why = "every row" if s == rows else "the most the memory plan fits"
-            ladder = rungs(pol.graphdef, shapes.params, s, d, pol.spec.sampling.ladder)
+            ladder = rungs(pol.graphdef, shapes.params, s, pol.sampling.max_new_tokens, d, pol.spec.sampling.ladder)
             out.append(f"sampler {pol.name}: S = {s} decode slots for {rows} rows a round ({why}); "
-                       + (f"rungs {', '.join(map(str, ladder))}" if len(ladder) > 1 else "no ladder: S to the end"))
+                       f"rungs {', '.join(map(str, ladder))}")
         return out
 
     @property
