@@ -10,6 +10,7 @@ from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
 from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
                                    slot_count, slot_rollout, trace_count)
+from mrl_jax.slot_ladder import SHORT, rungs
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -73,6 +74,9 @@ def test_the_tail_moves_to_fewer_slots(llama):
     assert ladder(100) == (100, 64, 48, 32, 16, 8) and ladder(48, 6) == (48, 36, 24, 12) and ladder(18) == (18, 8)
     assert ladder(512) == (512, 384, 256, 192, 128, 96, 64, 48, 32, 16)   # ten decode programs at most
     g, p, ids, mask = llama
+    # a round of at most SHORT new tokens keeps S (too short a tail to repay the rungs' compiles)
+    assert rungs(g, p, 36, SHORT) == (36,) and rungs(g, p, 36, SHORT + 1) == ladder(36)
+    assert rungs(g, p, 36, SHORT + 1, shrink=False) == (36,)
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
     key = jax.random.key(21)
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
