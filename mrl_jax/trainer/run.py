@@ -18,13 +18,13 @@ from flax import nnx
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
+from mrl_jax.slot_ladder import rungs, slot_count
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.memory import plan_memory as compile_memory_plan
 from mrl_jax.trainer.memory import prompt_width
-from mrl_jax.slot_ladder import rungs, slot_count
 from mrl_jax.trainer.placement import Placement, make_placement, pad_rows
 from mrl_jax.trainer.policy import (Policy, add_lora, build_model, build_policy, build_prompt_format,
                                     build_tokenizer)
