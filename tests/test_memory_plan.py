@@ -171,6 +171,7 @@ def test_a_planned_run_is_built_with_the_plans_slots(planned):
     pol = run.policies[0]
     assert pol.slots == plan.figures[0].slots == run.cfg.prompts_per_round * pol.num_generations
     assert pol.slot_width == memory.prompt_width(run, pol)
+    assert f"S = {pol.slots} decode slots for {pol.slots} rows a round (every row)" in run.sampler_lines()[0]
 
 
 # ---------------------------------------------------------------------------------- pure parts

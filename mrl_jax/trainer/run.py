@@ -148,9 +148,9 @@ class Run:
             d = int(pol.mesh.devices.size)
             rows = pad_rows(self.cfg.prompts_per_round, d) * pol.num_generations
             s = slot_count(rows, pol.slots, d)
-            why = "every row" if pol.slots is None else f"sampling.slots {pol.slots}"
-            if self.memory is not None and pol.spec.sampling.slots is None:
-                why = "every row" if s == rows else "the most the memory plan fits"
+            asked = pol.spec.sampling.slots   # pol.slots: the config's, or the S the memory plan chose
+            why = f"sampling.slots {asked}" if asked is not None else (
+                "every row" if s == rows else "the most the memory plan fits")
             ladder = rungs(pol.graphdef, shapes.params, s, pol.sampling.max_new_tokens, d, pol.spec.sampling.ladder)
             out.append(f"sampler {pol.name}: S = {s} decode slots for {rows} rows a round ({why}); "
                        f"rungs {', '.join(map(str, ladder))}")
