@@ -140,13 +140,19 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     return max(first, second, third, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
 
 
+def padded_prompts(run, devices: int) -> int:
+    """A train round's prompts padded to a multiple of the policy's data axis (``devices``): its sampler decodes
+    that x G rows."""
+    return pad_rows(run.cfg.prompts_per_round, devices)
+
+
 def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
     """(the sampler's figure, S): at ``sampling.slots`` when set, else at every row (P x G) when its transient fits
     in ``room`` bytes (None: unchecked), else at the largest S that does (over multiples of the data axis, starting
     where the peak's line through S = d and S = P x G meets the room); ConfigError naming the figure at the
     smallest S when none does."""
     d = int(mesh.devices.size)
-    P = pad_rows(run.cfg.prompts_per_round, d)
+    P = padded_prompts(run, d)
     B = P * pol.num_generations
     at = {}
 

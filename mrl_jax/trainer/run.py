@@ -24,8 +24,8 @@ from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
 from mrl_jax.trainer.evaluation import evaluate
 from mrl_jax.trainer.memory import plan_memory as compile_memory_plan
-from mrl_jax.trainer.memory import prompt_width
-from mrl_jax.trainer.placement import Placement, make_placement, pad_rows
+from mrl_jax.trainer.memory import padded_prompts, prompt_width
+from mrl_jax.trainer.placement import Placement, make_placement
 from mrl_jax.trainer.policy import (Policy, add_lora, build_model, build_policy, build_prompt_format,
                                     build_tokenizer)
 from mrl_jax.trainer.reference import initial_reference
@@ -146,7 +146,7 @@ class Run:
         out = []
         for pol, shapes in zip(self.policies, self._abstract):
             d = int(pol.mesh.devices.size)
-            rows = pad_rows(self.cfg.prompts_per_round, d) * pol.num_generations
+            rows = padded_prompts(self, d) * pol.num_generations
             s = slot_count(rows, pol.slots, d)
             asked = pol.spec.sampling.slots   # pol.slots: the config's, or the S the memory plan chose
             why = f"sampling.slots {asked}" if asked is not None else (
