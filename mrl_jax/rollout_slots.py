@@ -190,7 +190,11 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     # a free slot feeds row 0's token at position 0: it writes its own entry 0 (rewritten when a row enters) and
     # attends over that one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length
     qpos = jnp.where(live, p.plen[r // g] + i - 1, 0)
-    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], st.cache.replace(qpos=qpos), 0)
+    cache = st.cache.replace(qpos=qpos)
+    if cache.group:   # the prompt store, read by the step, not carried in the state
+        cache = cache.replace(pk=p.pk, pv=p.pv, plen=p.plen)
+    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], cache, 0)
+    cache = cache.replace(pk=(), pv=(), plen=None)
     u = None if p.u is None else p.u[r, i].T[..., None]
     tok, lp, slp = sample_rows(logits[:, -1], u, config)
     out = jnp.where(live, st.row, b)   # b: dropped
@@ -251,16 +255,30 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     order = jnp.nonzero(needs, size=b, fill_value=0)[0].astype(jnp.int32)
     prompts = _Prompts(pk=pk, pv=pv, plen=plen, tok0=tok0, u=u, order=order, count=jnp.sum(needs, dtype=jnp.int32))
     _, K, D, _ = pk[0].shape
-    cache = SlotCache.zeros(slots, len(pk), K, D, width + n - 1, pk[0].dtype,
-                            paged=paged_layout(graphdef, params), span=config.cache_bucket)
+    paged = paged_layout(graphdef, params)
+    group = g if shares_prompts(paged, slots, p, g, _split(rows)) else 0
+    cache = SlotCache.zeros(slots, len(pk), K, D, max(n - 1, 1) if group else width + n - 1, pk[0].dtype,
+                            paged=paged, span=config.cache_bucket, group=group)
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
                    tok=jnp.zeros((slots,), jnp.int32), t=zero, work=zero, ptr=zero,
                    tokens=jnp.full((b, n), config.pad_id, jnp.int32).at[:, 0].set(tok0),
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
-    state = _constrain(_admit(prompts, state, slots, g), rows)
+    if group:   # slot r decodes row r
+        state = state.replace(row=jnp.where(needs, jnp.arange(b, dtype=jnp.int32), -1),
+                              step=jnp.ones((slots,), jnp.int32), tok=tok0, ptr=prompts.count)
+    else:
+        state = _admit(prompts, state, slots, g)
+    state = _constrain(state, rows)
     return prompts, state, _status(prompts, state, _split(rows))
+
+
+def shares_prompts(paged: bool, slots: int, prompts: int, g: int, devices: int = 1) -> bool:
+    """Whether S ``slots`` share their prompts' cache entries (`SlotCache`'s ``group``): the ``heads`` layout, a
+    slot per row (S = P * G, so slot r decodes row r), G > 1 (one row per prompt has nothing to share) and the
+    prompts splitting evenly over the ``devices`` the slots do (each device's slots read its own prompts)."""
+    return not paged and g > 1 and slots == prompts * g and prompts % devices == 0
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows", "below"), donate_argnums=(3,))
@@ -289,11 +307,12 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
     return state, _status(prompts, state, d)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "rows"))
-def _compact(state: _State, *, slots: int, rows=None) -> _State:
-    """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries, within each device's
-    block of slots (at most ``slots`` / d rows in each of the d blocks, the queue empty: nothing crosses devices);
-    the outputs unchanged."""
+@functools.partial(jax.jit, static_argnames=("slots", "rows", "span"))
+def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None, span: int = 64) -> _State:
+    """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries (shared prompts: their
+    prompt's entries copied in from ``prompts``' store; ``span``: the unshared parts' first cut), within each
+    device's block of slots (at most ``slots`` / d rows in each of the d blocks, the queue empty: nothing crosses
+    devices); the outputs unchanged."""
     global _TRACES
     _TRACES += 1
     d, s = _split(rows), state.row.shape[0]
@@ -301,7 +320,10 @@ def _compact(state: _State, *, slots: int, rows=None) -> _State:
 
     def take(x, fill=0):
         return take_blocks(x, local, 0, fill)
-    return _constrain(state.replace(cache=state.cache.take(local), row=take(state.row, -1), step=take(state.step),
+    cache = state.cache
+    if cache.group:
+        cache = cache.replace(pk=prompts.pk, pv=prompts.pv, plen=prompts.plen)
+    return _constrain(state.replace(cache=cache.take(local, span), row=take(state.row, -1), step=take(state.step),
                                     tok=take(state.tok)), rows)
 
 
@@ -352,7 +374,8 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
         admits = (admit_count(rungs[0], admit) if queue else 0,) + (0,) * (len(rungs) - 1)
         _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
                                              for a, below in zip(admits, belows)),
-                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
+                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows, span=config.cache_bucket))
+                                for s in rungs[1:]),
                           wrap(finish), {})
     return _PROGRAMS[key]
 
@@ -379,7 +402,7 @@ def _compile_below(chunks_at, compacts, params, prompts, state) -> list[Future]:
 
     def rung(r, state):   # r >= 1: the move from rung r - 1, then rung r's chunk
         try:
-            state = _abstract(compacts[r - 1].lower(state).compile().out_info, placed)
+            state = _abstract(compacts[r - 1].lower(prompts, state).compile().out_info, placed)
         except BaseException as e:   # no state for this rung or any below it
             for f in done[r - 1:]:
                 f.set_exception(e)
@@ -432,7 +455,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     start, chunks_at, compacts, finish, below = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
         prompts, state, status = start(params, ids, mask, key)
-    first = not below.get("warmed")
+    first, shared = not below.get("warmed"), bool(state.cache.group)
     if "futures" not in below:
         below["futures"] = (_compile_below(chunks_at, compacts, params, prompts, state) if jax.process_count() == 1
                             else [])
@@ -440,7 +463,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     def move(rung, state):   # into rung + 1, once its programs are compiled
         if rung < len(below["futures"]):
             below["futures"][rung].exception()   # waits; a failed compile is the call's own again, raised here
-        return compacts[rung](state), rung + 1
+        return compacts[rung](prompts, state), rung + 1
     yield
     spanning = jax.process_count() > 1 and mesh is not None
     here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
@@ -477,7 +500,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
         return out, {"counts": counts, "slots": rungs[0]}
     out, (decode, row_steps) = jax.device_get((out, counts))
     return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
-                 "rungs": rungs[:rung + 1], "slot_devices": split}
+                 "rungs": rungs[:rung + 1], "slot_devices": split, "shared_prompts": shared}
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:
@@ -510,7 +533,8 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
     empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns
     (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of
     each decode step run), ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
-    ``slot_devices``.
+    ``slot_devices``, ``shared_prompts`` (the first rung read each prompt's entries once for its G slots:
+    :func:`shares_prompts`).
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,

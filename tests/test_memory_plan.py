@@ -237,7 +237,9 @@ def test_tree_bytes_counts_a_shard_per_device():
 def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
     """The plan compiles the slot sampler at every row (P x G) when it fits and prints S; with less room the
     largest S that fits (its figure within the room, KV bytes growing with S); with none, one ConfigError naming
-    ``sampling.slots`` and the figure."""
+    ``sampling.slots`` and the figure. (40 new tokens past a 16-token prompt for the smaller rooms: at every row the
+    slots share their prompts' entries, so with 6 new tokens one slot holding its prompt's copy takes more than
+    16 sharing them.)"""
     run, plan = planned
     pol, f = run.policies[0], plan.figures[0]
     rows = run.cfg.prompts_per_round * pol.num_generations
@@ -247,6 +249,10 @@ def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
     Tp = memory.prompt_width(run, pol)
     full, s = memory._sampler(run, pol, mesh, params, Tp)
     assert s == rows and full == f.sampler
+    run = Run(support.to_run_config(one_policy(**{"policies.0.sampling": LONG})))
+    pol, mesh, params = run.policies[0], run.placement.meshes[0], run.state_template().policies[0].params
+    full, s = memory._sampler(run, pol, mesh, params, Tp)
+    assert s == rows
     need = full.peak - tree_bytes(params)
     small, s = memory._sampler(run, pol, mesh, params, Tp, need - 1)
     assert 1 <= s < rows and small.peak - tree_bytes(params) <= need - 1 and small.peak < full.peak

@@ -58,6 +58,7 @@ def test_every_slot_count_equals_the_static_sampler(llama, kw):
         out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, slots=s, chunk=6, admit=admit)
         _assert_same(out, ref)
         assert stats["slots"] == s and stats["row_steps"] >= min_row_steps(lengths, s) >= lengths.sum(), (s, stats)
+        assert stats["shared_prompts"] == (s == 12), stats   # a slot per row reads each prompt once for its G
         if s in (1, 12):   # the bound is reached: one row at a time, or every row at once
             assert stats["row_steps"] == (lengths.sum() if s == 1 else 12 * lengths.max()) == min_row_steps(lengths, s)
 
@@ -86,6 +87,7 @@ def test_the_tail_moves_to_fewer_slots(llama):
     fixed, fixed_stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, chunk=4, shrink=False)
     _assert_same(fixed, ref)
     assert stats["rungs"] == (36, 24, 12) and fixed_stats["rungs"] == (36,), (stats, fixed_stats)
+    assert stats["shared_prompts"] and fixed_stats["shared_prompts"]   # the first move copies the prompts in
     assert stats["row_steps"] == ladder_row_steps(lengths, (36, 24, 12)), stats
     assert ladder_row_steps(lengths, (36,)) == min_row_steps(lengths, 36)
     assert fixed_stats["row_steps"] == min_row_steps(lengths, 36) > stats["row_steps"] >= lengths.sum()
@@ -161,6 +163,7 @@ def test_rows_ending_at_step_0_or_never(llama, g, slots, chunk):
     assert ref.lengths[first] == 1 and ref.truncated[never] and not ref.truncated.all(), ref.lengths
     out, stats = generate_slots(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots, chunk=chunk)
     _assert_same(out, ref)
+    assert stats["shared_prompts"] == (slots == 9), stats   # G 3 every row: row ``first``'s slot free from step 0
     other = slot_rollout(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots, chunk=chunk)
     st: list = []
     both = drive([slot_rollout(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots, chunk=chunk), other, ref], st)
@@ -186,6 +189,9 @@ def test_sliding_window_and_learned_positions(family, attention):
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2))
         out, _ = generate_slots(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2, slots=2, chunk=4)
         _assert_same(out, ref)
+        out, stats = generate_slots(gd, p, ids, mask, jax.random.key(2), cfg, num_samples=2, chunk=4)
+        _assert_same(out, ref)   # every row: the heads layout shares each prompt's entries between its 2 slots
+        assert stats["shared_prompts"] == (attention != "splash"), stats
     if attention == "splash":   # a free slot reads one page: 18 slots keep S, no rung below traced (start, chunk)
         assert paged_layout(gd, p)
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6))

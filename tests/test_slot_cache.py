@@ -111,3 +111,62 @@ def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(qpos)
                                atol=1e-5)
     stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, C, K, D]
     np.testing.assert_allclose(stored, keys, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, 5.0)])
+def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(window, softcap):
+    """P 2 prompts x G 3 slots sharing the prompt store (prompt 1 shorter than the store: its last entries are
+    junk a slot must not see), generated entries in three parts (spans(20, 4)), slots at generated entries 0, a
+    part's end and the last one, one slot free: each live slot's step equals the reference over its own copy of its
+    prompt then its generated entries (sliding window and soft-cap crossing the prompt's end); the free slot writes
+    nothing. ``take`` moves 3 of the slots (and an empty one) out unshared: their entries are the reference's, in
+    the unshared parts, and the same step over them gives the same output."""
+    from mrl_jax.models.slot_cache import spans
+
+    rng = np.random.default_rng(3)
+    P, G, K, H, D, Tc, n = 2, 3, 2, 4, 8, 7, 20
+    S, plen = P * G, np.array([7, 3])
+    store_k, store_v = rng.normal(size=(P, Tc, K, D)), rng.normal(size=(P, Tc, K, D))
+    gen_k, gen_v = rng.normal(size=(S, n, K, D)), rng.normal(size=(S, n, K, D))
+    attach = dict(pk=(jnp.asarray(store_k.transpose(0, 2, 3, 1), jnp.float32),),
+                  pv=(jnp.asarray(store_v.transpose(0, 2, 1, 3), jnp.float32),), plen=jnp.asarray(plen, jnp.int32))
+    cache = SlotCache.zeros(S, 1, K, D, n, jnp.float32, span=4, group=G).replace(**attach)
+    assert spans(n, 4) == (5, 10, 20) and cache.length == n and cache.ends == (5, 10, 20)
+    base = np.repeat(plen, G)
+    for e in range(n):   # every slot writes its generated entry e at position plen + e
+        cache = cache.replace(qpos=jnp.asarray(base + e, jnp.int32)).write(
+            0, jnp.asarray(gen_k[:, e:e + 1], jnp.float32), jnp.asarray(gen_v[:, e:e + 1], jnp.float32))
+    at = np.array([0, 4, 19, 9, 2, -1])   # slot 5 free: it steps at position 0, entry -plen
+    qpos = np.where(at >= 0, base + at, 0)
+    new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
+    live = at >= 0
+    gen_k[live, at[live]], gen_v[live, at[live]] = new_k[live, 0], new_v[live, 0]
+    full_k, full_v = (np.zeros((S, Tc + n, K, D)) for _ in range(2))   # each slot's own copy: prompt, then generated
+    for s in range(S):
+        p, t = s // G, plen[s // G]
+        full_k[s, :t], full_v[s, :t] = store_k[p, :t], store_v[p, :t]
+        full_k[s, t:t + n], full_v[s, t:t + n] = gen_k[s], gen_v[s]
+    args = (jnp.asarray(q, jnp.float32), jnp.asarray(new_k, jnp.float32), jnp.asarray(new_v, jnp.float32))
+
+    def step(c):
+        return jax.jit(lambda q, k, v, c: attend_slots(q, k, v, c.step_masks(None, window), 0.3, c, 0, softcap))(
+            *args, c)
+
+    cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
+    assert int(cache.step_masks(None).span) == 2   # a slot at the last entry: every part
+    out, cache = step(cache)
+    ref = _reference(q[:, 0], full_k, full_v, qpos, 0.3, softcap, window)
+    np.testing.assert_allclose(np.asarray(out)[live, 0], ref[live], atol=1e-5)
+    stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, n, K, D]
+    np.testing.assert_allclose(stored, gen_k, atol=1e-6)   # the free slot's entries untouched
+
+    keep = np.array([1, 4, 2, S])   # S: an empty slot
+    moved = cache.replace(**attach).take(jnp.asarray(keep[None], jnp.int32), span=4)
+    assert moved.group == 0 and moved.pk == () and moved.ends == spans(Tc + n, 4) == (7, 14, 27)
+    np.testing.assert_array_equal(np.asarray(moved.qpos), np.append(qpos[keep[:3]], 0))
+    entries = np.concatenate([np.asarray(x) for x in moved.k[0]], -1).transpose(0, 3, 1, 2)
+    for i, s in enumerate(keep[:3]):   # entries [0, qpos] as the slot's own copy (later ones never seen)
+        np.testing.assert_allclose(entries[i, :qpos[s] + 1], full_k[s, :qpos[s] + 1], atol=1e-6)
+    args = tuple(x[jnp.asarray(np.append(keep[:3], 0))] for x in args)
+    again, _ = step(moved)
+    np.testing.assert_allclose(np.asarray(again)[:3], np.asarray(out)[keep[:3]], atol=1e-5)
