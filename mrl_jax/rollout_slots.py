@@ -29,16 +29,22 @@ How it works:
   attends over entries [0, qpos] -- a length per slot, the layout JAX's Pallas TPU paged attention kernel reads
   (on TPU the decode step runs it: see :mod:`mrl_jax.models.slot_cache`). A row's logits are those of the static
   sampler.
+* shared prompts (:func:`shares_prompts`: a slot per row, S = P * G -- the default and every GRPO round --, the
+  ``heads`` layout, G > 1): slot r decodes row r and holds only its N - 1 generated entries; a step reads each
+  prompt's entries once for its G slots from the prompt store, in one softmax with the slot's own entries (the
+  static sampler's block-merged softmax), and the move to the ladder's second rung copies each kept row's
+  prompt entries into its new slot.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
-Memory (each slot owns its entries; a row's prompt is copied in, not shared among its G slots): per slot 2 * L * K *
-D * C * dtype bytes, plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
+Memory: per slot 2 * L * K * D * C * dtype bytes (a row's prompt copied in), or N - 1 entries in place of C with
+shared prompts; plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
 down the ladder holds both rungs' caches for its one program (1.75 x the cache at the first, 3/4, step; the weights
 stay resident; the ``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8, 1024 +
-4096 tokens: C = 5119, 640 MiB per slot; S = 512 (every row) 320 GiB, S = 64: 40 GiB, plus an 8 GiB prompt store
-(the static sampler: 8 GiB + 512 x 4095 x 128 KiB = 264 GiB). Sharing each prompt's pages among its G slots would
-save Tc / C (here 20 %) of each slot, at a gathered read per step on the pure-JAX path.
+4096 tokens: C = 5119, 640 MiB per slot; S = 64: 40 GiB, plus an 8 GiB prompt store; S = 512 (every row, shared
+prompts on the ``heads`` layout) 512 x 4095 x 128 KiB = 256 GiB plus the store, the static sampler's 264 GiB (copied,
+as on TPU's ``pages``: 320 GiB). Fewer slots than rows, and the ``pages`` layout, copy each row's prompt in: sharing
+there needs a gathered read per step on the pure-JAX path, or shared pages whose last, partial page each slot copies.
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
@@ -175,7 +181,7 @@ def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
     row = p.order[jnp.minimum(st.ptr + j, b - 1)]
     idx = jnp.where(ok, free, s)   # s: dropped
     pr = row // g
-    cache = st.cache.load(idx, tuple(k[pr] for k in p.pk), tuple(v[pr] for v in p.pv))
+    cache = st.cache.load(idx, tuple(k[pr] for k in p.pk), tuple(v[pr] for v in p.pv), p.plen[pr])
     return st.replace(cache=cache, row=st.row.at[idx].set(row, mode="drop"),
                       step=st.step.at[idx].set(1, mode="drop"), tok=st.tok.at[idx].set(p.tok0[row], mode="drop"),
                       ptr=st.ptr + jnp.sum(ok, dtype=jnp.int32))
@@ -192,9 +198,10 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     qpos = jnp.where(live, p.plen[r // g] + i - 1, 0)
     cache = st.cache.replace(qpos=qpos)
     if cache.group:   # the prompt store, read by the step, not carried in the state
-        cache = cache.replace(pk=p.pk, pv=p.pv, plen=p.plen)
+        cache = cache.replace(pk=p.pk, pv=p.pv)
     logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], cache, 0)
-    cache = cache.replace(pk=(), pv=(), plen=None)
+    if cache.group:
+        cache = cache.replace(pk=(), pv=())
     u = None if p.u is None else p.u[r, i].T[..., None]
     tok, lp, slp = sample_rows(logits[:, -1], u, config)
     out = jnp.where(live, st.row, b)   # b: dropped
@@ -257,8 +264,8 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     _, K, D, _ = pk[0].shape
     paged = paged_layout(graphdef, params)
     group = g if shares_prompts(paged, slots, p, g, _split(rows)) else 0
-    cache = SlotCache.zeros(slots, len(pk), K, D, max(n - 1, 1) if group else width + n - 1, pk[0].dtype,
-                            paged=paged, span=config.cache_bucket, group=group)
+    cache = SlotCache.zeros(slots, len(pk), K, D, width, max(n - 1, 1), pk[0].dtype, paged=paged,
+                            span=config.cache_bucket, group=group)
     zero = jnp.zeros((), jnp.int32)
     state = _State(cache=cache, row=jnp.full((slots,), -1, jnp.int32), step=jnp.zeros((slots,), jnp.int32),
                    tok=jnp.zeros((slots,), jnp.int32), t=zero, work=zero, ptr=zero,
@@ -266,7 +273,8 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
     if group:   # slot r decodes row r
-        state = state.replace(row=jnp.where(needs, jnp.arange(b, dtype=jnp.int32), -1),
+        state = state.replace(cache=cache.replace(plen=jnp.repeat(plen, g, total_repeat_length=b)),
+                              row=jnp.where(needs, jnp.arange(b, dtype=jnp.int32), -1),
                               step=jnp.ones((slots,), jnp.int32), tok=tok0, ptr=prompts.count)
     else:
         state = _admit(prompts, state, slots, g)
@@ -307,12 +315,11 @@ def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingC
     return state, _status(prompts, state, d)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "rows", "span"))
-def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None, span: int = 64) -> _State:
-    """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries (shared prompts: their
-    prompt's entries copied in from ``prompts``' store; ``span``: the unshared parts' first cut), within each
-    device's block of slots (at most ``slots`` / d rows in each of the d blocks, the queue empty: nothing crosses
-    devices); the outputs unchanged."""
+@functools.partial(jax.jit, static_argnames=("slots", "rows"))
+def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None) -> _State:
+    """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries (shared prompts: each
+    one's prompt block from ``prompts``' store), within each device's block of slots (at most ``slots`` / d rows in
+    each of the d blocks, the queue empty: nothing crosses devices); the outputs unchanged."""
     global _TRACES
     _TRACES += 1
     d, s = _split(rows), state.row.shape[0]
@@ -322,8 +329,8 @@ def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None, span: i
         return take_blocks(x, local, 0, fill)
     cache = state.cache
     if cache.group:
-        cache = cache.replace(pk=prompts.pk, pv=prompts.pv, plen=prompts.plen)
-    return _constrain(state.replace(cache=cache.take(local, span), row=take(state.row, -1), step=take(state.step),
+        cache = cache.replace(pk=prompts.pk, pv=prompts.pv)
+    return _constrain(state.replace(cache=cache.take(local), row=take(state.row, -1), step=take(state.step),
                                     tok=take(state.tok)), rows)
 
 
@@ -374,8 +381,7 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
         admits = (admit_count(rungs[0], admit) if queue else 0,) + (0,) * (len(rungs) - 1)
         _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
                                              for a, below in zip(admits, belows)),
-                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows, span=config.cache_bucket))
-                                for s in rungs[1:]),
+                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
                           wrap(finish), {})
     return _PROGRAMS[key]
 

@@ -73,7 +73,7 @@ def move_collectives(gd, params, ids, mask, key, cfg, mesh) -> int:
     prompts, state, _ = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=12, slots=48, width=8,
                                                           rows=rows))(params, put(ids), put(mask), put(key))
     assert state.cache.group == 12   # a slot per row: the move copies each prompt's entries in from its block
-    text = jax.jit(lambda p, s: _compact(p, s, slots=12, rows=rows, span=8)).lower(prompts, state).compile().as_text()
+    text = jax.jit(lambda p, s: _compact(p, s, slots=12, rows=rows)).lower(prompts, state).compile().as_text()
     return len(re.findall(r" (?:all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\(", text))
 
 

@@ -25,12 +25,12 @@ def _reference(q, keys, values, qpos, scale, softcap, window):
 
 
 def _filled(paged: bool, S: int, K: int, D: int, C: int, rng, T: int = 5):
-    """A cache whose entries [0, T) came in through ``load`` and [T, C) through ``write`` (one step each, qpos
-    advancing), and the same entries as float64 [S, C, K, D]."""
+    """A cache whose entries [0, T) (each slot's prompt, T tokens) came in through ``load`` and [T, C) through
+    ``write`` (one step each, qpos advancing), and the same entries by position as float64 [S, C, K, D]."""
     keys, values = (rng.normal(size=(S, C, K, D)) for _ in range(2))
-    cache = SlotCache.zeros(S, 1, K, D, C, jnp.float32, paged=paged)
+    cache = SlotCache.zeros(S, 1, K, D, T, C - T, jnp.float32, paged=paged)
     cache = cache.load(jnp.arange(S), (jnp.asarray(keys[:, :T].transpose(0, 2, 3, 1), jnp.float32),),
-                       (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),))
+                       (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),), jnp.full((S,), T, jnp.int32))
     for e in range(T, C):
         cache = cache.replace(qpos=jnp.full((S,), e, jnp.int32)).write(
             0, jnp.asarray(keys[:, e:e + 1], jnp.float32), jnp.asarray(values[:, e:e + 1], jnp.float32))
@@ -40,13 +40,14 @@ def _filled(paged: bool, S: int, K: int, D: int, C: int, rng, T: int = 5):
 @pytest.mark.parametrize("paged", [False, True], ids=["heads", "pages"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (3, 5.0)])
 def test_both_layouts_attend_over_each_slots_prefix(paged, window, softcap):
-    """S 3 slots at positions 0, 6 and C - 1 (the last entry), GQA 4 query heads over 2: a step's write lands at
-    its slot's own entry and the output is the softmax over that slot's entries [0, qpos] only."""
+    """S 3 slots at positions 5 (the first generated entry), 6 and C - 1 (the last entry), GQA 4 query heads over
+    2: a step's write lands at its slot's own entry and the output is the softmax over that slot's positions
+    [0, qpos] only (the window reaching back into the prompt)."""
     rng = np.random.default_rng(0)
     S, K, H, D, C = 3, 2, 4, 8, 2 * PAGE
     cache, keys, values = _filled(paged, S, K, D, C - 1, rng)
-    assert cache.length == (C if paged else C - 1)
-    qpos = np.array([0, 6, C - 2])
+    assert cache.length == (C if paged else C - 1 - 5)
+    qpos = np.array([5, 6, C - 2])
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     keys[np.arange(S), qpos], values[np.arange(S), qpos] = new_k[:, 0], new_v[:, 0]
     cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
@@ -78,39 +79,40 @@ def test_the_tpu_paged_kernel_equals_the_reference_in_interpret_mode(dtype, atol
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:, 0], ref, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("qpos", [[0, 3, 9], [2, 15, 38], [39, 16, 8]], ids=["all-in-part-0", "spread", "last-entry"])
-def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(qpos):
-    """C = 40 entries cut at spans(40, 8) = 10, 20, 40 (parts 10, 10, 20): entries loaded across a part's end,
-    each step's write landing in its slot's own part only, and the step reading the parts up to the furthest slot
-    (one part when every slot is in the first, all three with a slot at the last entry) equal the reference."""
+@pytest.mark.parametrize("at", [[0, 3, 9], [2, 15, 38], [39, 16, 8]], ids=["all-in-part-0", "spread", "last-entry"])
+def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
+    """A prompt block of T = 11 and n = 40 generated entries cut at spans(40, 8) = 10, 20, 40 (parts 10, 10, 20):
+    each step's write landing in its slot's own part only (slots at different parts), and the step reading the
+    prompt and the parts up to the furthest slot (one part when every slot is in the first, all three with a slot
+    at the last entry) equal the reference over positions [0, qpos]."""
     from mrl_jax.models.slot_cache import spans
 
     rng = np.random.default_rng(2)
-    S, K, H, D, C, T = 3, 2, 4, 8, 40, 11
-    assert spans(C, 8) == (10, 20, 40) and spans(543) == (136, 272, 543) and spans(30) == (30,)
-    keys, values = (rng.normal(size=(S, C, K, D)) for _ in range(2))
-    cache = SlotCache.zeros(S, 1, K, D, C, jnp.float32, span=8)
-    assert [x.shape[3] for x in cache.k[0]] == [10, 10, 20] and cache.length == C
+    S, K, H, D, n, T = 3, 2, 4, 8, 40, 11
+    assert spans(n, 8) == (10, 20, 40) and spans(543) == (136, 272, 543) and spans(30) == (30,)
+    keys, values = (rng.normal(size=(S, T + n, K, D)) for _ in range(2))   # by position
+    cache = SlotCache.zeros(S, 1, K, D, T, n, jnp.float32, span=8)
+    assert [x.shape[3] for x in cache.k[0]] == [10, 10, 20] and cache.length == n and cache.pk[0].shape[-1] == T
     cache = cache.load(jnp.arange(S), (jnp.asarray(keys[:, :T].transpose(0, 2, 3, 1), jnp.float32),),
-                       (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),))
-    for e in range(C - T):   # slot s writes entries T + (e + 7 s) mod (C - T): the slots in different parts
-        at = T + (e + 7 * np.arange(S)) % (C - T)
+                       (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),), jnp.full((S,), T, jnp.int32))
+    for e in range(n):   # slot s writes generated entry (e + 7 s) mod n: the slots in different parts
+        pos = T + (e + 7 * np.arange(S)) % n
         new_k, new_v = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D))
-        keys[np.arange(S), at], values[np.arange(S), at] = new_k[:, 0], new_v[:, 0]
-        cache = cache.replace(qpos=jnp.asarray(at, jnp.int32)).write(0, jnp.asarray(new_k, jnp.float32),
-                                                                     jnp.asarray(new_v, jnp.float32))
-    qpos = np.asarray(qpos)
+        keys[np.arange(S), pos], values[np.arange(S), pos] = new_k[:, 0], new_v[:, 0]
+        cache = cache.replace(qpos=jnp.asarray(pos, jnp.int32)).write(0, jnp.asarray(new_k, jnp.float32),
+                                                                      jnp.asarray(new_v, jnp.float32))
+    qpos = T + np.asarray(at)
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     keys[np.arange(S), qpos], values[np.arange(S), qpos] = new_k[:, 0], new_v[:, 0]
     cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
     mask = cache.step_masks(None)
-    assert int(mask.span) == int(np.searchsorted([10, 20, 40], qpos.max(), side="right"))
+    assert int(mask.span) == int(np.searchsorted([10, 20, 40], max(at), side="right"))
     out, cache = jax.jit(lambda q, k, v, c: attend_slots(q, k, v, c.step_masks(None), 0.3, c, 0))(
         jnp.asarray(q, jnp.float32), jnp.asarray(new_k, jnp.float32), jnp.asarray(new_v, jnp.float32), cache)
     np.testing.assert_allclose(np.asarray(out)[:, 0], _reference(q[:, 0], keys, values, qpos, 0.3, None, None),
                                atol=1e-5)
-    stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, C, K, D]
-    np.testing.assert_allclose(stored, keys, atol=1e-6)
+    stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, n, K, D]
+    np.testing.assert_allclose(stored, keys[:, T:], atol=1e-6)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, 5.0)])
@@ -119,8 +121,8 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     junk a slot must not see), generated entries in three parts (spans(20, 4)), slots at generated entries 0, a
     part's end and the last one, one slot free: each live slot's step equals the reference over its own copy of its
     prompt then its generated entries (sliding window and soft-cap crossing the prompt's end); the free slot writes
-    nothing. ``take`` moves 3 of the slots (and an empty one) out unshared: their entries are the reference's, in
-    the unshared parts, and the same step over them gives the same output."""
+    nothing. ``take`` moves 3 of the slots (and an empty one) out with a prompt block each: their blocks are their
+    prompts', their generated entries unmoved, and the same step over them gives the same output."""
     from mrl_jax.models.slot_cache import spans
 
     rng = np.random.default_rng(3)
@@ -128,11 +130,12 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     S, plen = P * G, np.array([7, 3])
     store_k, store_v = rng.normal(size=(P, Tc, K, D)), rng.normal(size=(P, Tc, K, D))
     gen_k, gen_v = rng.normal(size=(S, n, K, D)), rng.normal(size=(S, n, K, D))
-    attach = dict(pk=(jnp.asarray(store_k.transpose(0, 2, 3, 1), jnp.float32),),
-                  pv=(jnp.asarray(store_v.transpose(0, 2, 1, 3), jnp.float32),), plen=jnp.asarray(plen, jnp.int32))
-    cache = SlotCache.zeros(S, 1, K, D, n, jnp.float32, span=4, group=G).replace(**attach)
-    assert spans(n, 4) == (5, 10, 20) and cache.length == n and cache.ends == (5, 10, 20)
+    store = dict(pk=(jnp.asarray(store_k.transpose(0, 2, 3, 1), jnp.float32),),
+                 pv=(jnp.asarray(store_v.transpose(0, 2, 1, 3), jnp.float32),))
     base = np.repeat(plen, G)
+    cache = SlotCache.zeros(S, 1, K, D, Tc, n, jnp.float32, span=4, group=G).replace(
+        plen=jnp.asarray(base, jnp.int32), **store)
+    assert spans(n, 4) == (5, 10, 20) and cache.length == n and cache.ends == (5, 10, 20)
     for e in range(n):   # every slot writes its generated entry e at position plen + e
         cache = cache.replace(qpos=jnp.asarray(base + e, jnp.int32)).write(
             0, jnp.asarray(gen_k[:, e:e + 1], jnp.float32), jnp.asarray(gen_v[:, e:e + 1], jnp.float32))
@@ -141,7 +144,7 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     live = at >= 0
     gen_k[live, at[live]], gen_v[live, at[live]] = new_k[live, 0], new_v[live, 0]
-    full_k, full_v = (np.zeros((S, Tc + n, K, D)) for _ in range(2))   # each slot's own copy: prompt, then generated
+    full_k, full_v = (np.zeros((S, Tc + n, K, D)) for _ in range(2))   # each slot's own copy, by position
     for s in range(S):
         p, t = s // G, plen[s // G]
         full_k[s, :t], full_v[s, :t] = store_k[p, :t], store_v[p, :t]
@@ -161,12 +164,11 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     np.testing.assert_allclose(stored, gen_k, atol=1e-6)   # the free slot's entries untouched
 
     keep = np.array([1, 4, 2, S])   # S: an empty slot
-    moved = cache.replace(**attach).take(jnp.asarray(keep[None], jnp.int32), span=4)
-    assert moved.group == 0 and moved.pk == () and moved.ends == spans(Tc + n, 4) == (7, 14, 27)
+    moved = cache.take(jnp.asarray(keep[None], jnp.int32))
+    assert moved.group == 0 and moved.ends == cache.ends and moved.pk[0].shape == (4, K, D, Tc)
     np.testing.assert_array_equal(np.asarray(moved.qpos), np.append(qpos[keep[:3]], 0))
-    entries = np.concatenate([np.asarray(x) for x in moved.k[0]], -1).transpose(0, 3, 1, 2)
-    for i, s in enumerate(keep[:3]):   # entries [0, qpos] as the slot's own copy (later ones never seen)
-        np.testing.assert_allclose(entries[i, :qpos[s] + 1], full_k[s, :qpos[s] + 1], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(moved.plen), np.append(base[keep[:3]], 0))
+    np.testing.assert_allclose(np.asarray(moved.pk[0])[:3], store_k[keep[:3] // G].transpose(0, 2, 3, 1))
     args = tuple(x[jnp.asarray(np.append(keep[:3], 0))] for x in args)
     again, _ = step(moved)
     np.testing.assert_allclose(np.asarray(again)[:3], np.asarray(out)[keep[:3]], atol=1e-5)

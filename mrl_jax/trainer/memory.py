@@ -132,7 +132,7 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
                                 pol.spec.sampling.ladder)
     third = second if len(rungs) == 1 else step_memory(
-        jax.jit(lambda pr, st: rollout_slots._compact(pr, st, slots=rungs[1], rows=rows, span=cfg.cache_bucket)),
+        jax.jit(lambda pr, st: rollout_slots._compact(pr, st, slots=rungs[1], rows=rows)),
         prompts, state)
     if first is None or second is None or third is None:
         return None
