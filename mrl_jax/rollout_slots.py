@@ -23,22 +23,22 @@ How it works:
   step runs at a rung the rows have left, and only the first rung's chunk refills slots (and only with fewer slots
   than rows): below it the queue is empty. The ``pages`` layout (TPU) keeps S: there a free slot reads one page
   (:func:`paged_layout`).
-* the cache (:class:`mrl_jax.models.SlotCache`) holds C = Tc + N - 1 entries per slot (Tc the prompt width),
-  entry e the token at position e of the slot's row: a row admitted gets its prompt (left-aligned in the prompt
-  store) copied into entries [0, Tc), and each decode step writes its token at entry ``qpos`` (its position) and
-  attends over entries [0, qpos] -- a length per slot, the layout JAX's Pallas TPU paged attention kernel reads
-  (on TPU the decode step runs it: see :mod:`mrl_jax.models.slot_cache`). A row's logits are those of the static
-  sampler.
+* the cache (:class:`mrl_jax.models.SlotCache`) holds each slot's prompt (Tc entries, left-aligned as in the
+  prompt store: copied in when a row is admitted) and its N - 1 generated entries; each decode step writes its
+  token's key / value at its generated entry and attends over its prompt and generated entries up to its position
+  -- a length per slot, which JAX's Pallas TPU paged attention kernel reads from the ``pages`` layout (positions
+  in order; on TPU the decode step runs it: see :mod:`mrl_jax.models.slot_cache`). A row's logits are those of
+  the static sampler.
 * shared prompts (:func:`shares_prompts`: a slot per row, S = P * G -- the default and every GRPO round --, the
-  ``heads`` layout, G > 1): slot r decodes row r and holds only its N - 1 generated entries; a step reads each
-  prompt's entries once for its G slots from the prompt store, in one softmax with the slot's own entries (the
-  static sampler's block-merged softmax), and the move to the ladder's second rung copies each kept row's
-  prompt entries into its new slot.
+  ``heads`` layout, G > 1): slot r decodes row r and holds only its generated entries; a step reads each prompt's
+  entries once for its G slots from the prompt store, in one softmax with the slots' own entries (the static
+  sampler's block-merged softmax), and the move to the ladder's second rung gives each kept row its prompt's
+  block (a gather of P x Tc entries; the generated ones move as before).
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
-Memory: per slot 2 * L * K * D * C * dtype bytes (a row's prompt copied in), or N - 1 entries in place of C with
-shared prompts; plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
+Memory: per slot 2 * L * K * D * C * dtype bytes, C = Tc + N - 1 (a row's prompt copied in), or N - 1 entries
+with shared prompts; plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
 down the ladder holds both rungs' caches for its one program (1.75 x the cache at the first, 3/4, step; the weights
 stay resident; the ``pages`` layout makes none). Llama-3.1-8B (128 KiB per token, bf16), 64 prompts x G 8, 1024 +
 4096 tokens: C = 5119, 640 MiB per slot; S = 64: 40 GiB, plus an 8 GiB prompt store; S = 512 (every row, shared
@@ -172,7 +172,7 @@ def _fits(p: _Prompts, st: _State, d: int, below: int | None):
 
 
 def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
-    """Up to ``a`` queued rows into free slots: each one's prompt copied into its slot's first entries, its token 0
+    """Up to ``a`` queued rows into free slots: each one's prompt copied into its slot (`SlotCache.load`), its token 0
     to feed, step 1."""
     s, b = st.row.shape[0], p.order.shape[0]
     free = jnp.nonzero(st.row < 0, size=a, fill_value=s)[0]

@@ -250,8 +250,11 @@ def attend_slots(q, k, v, mask: SlotMask, scale: float, cache: SlotCache, layer:
     K = k.shape[2]
     if not cache.paged:
         q = q.reshape(S, K, H // K, D)
-        prompt = _prompt_block(q, cache, layer, mask.prompt, scale, softcap)
-        out = _attend_parts(q, cache.k[layer], cache.v[layer], mask, scale, softcap, cache.ends, prompt)
+        if cache.group:
+            prompt = dict(merge=_shared_prompts(q, cache, layer, mask.prompt, scale, softcap))
+        else:
+            prompt = dict(block=(cache.pk[layer], cache.pv[layer], mask.prompt))
+        out = _attend_parts(q, cache.k[layer], cache.v[layer], mask, scale, softcap, cache.ends, **prompt)
         return out.reshape(S, 1, H, D), cache
     ks, vs = cache._slot_major(cache.k[layer]), cache._slot_major(cache.v[layer])   # [K, S, C, D]
 
@@ -278,19 +281,12 @@ def _scores(s, scale, softcap, seen):
     return s + jnp.where(seen, 0.0, _NEG)
 
 
-def _prompt_block(q, cache: SlotCache, layer: int, seen, scale, softcap):
-    """The ``heads`` layout's prompt block for q [S, K, g, D]: (max, normaliser, unnormalised output)
-    [S, K, g, 1 | 1 | D] of its softmax part, over each slot's block [S, K, D, Tc] or, with shared prompts, each
-    prompt's [P, K, D, Tc] read once for its G slots' queries."""
+def _shared_prompts(q, cache: SlotCache, layer: int, seen, scale, softcap):
+    """Shared prompts' block for q [S, K, g, D]: each prompt's keys [K, D, Tc] scored once for its G slots' queries
+    (one [G * g, D] x [D, Tc] matmul per prompt and head, as the static sampler does); returns (max, normaliser,
+    unnormalised output) [S, K, g, 1 | 1 | D] of its part of the softmax."""
     S, K, g, D = q.shape
     pk, pv = cache.pk[layer].astype(q.dtype), cache.pv[layer].astype(q.dtype)
-    if not cache.group:
-        s = _scores(jnp.einsum("skqd,skdc->skqc", q, pk, preferred_element_type=jnp.float32), scale, softcap,
-                    seen[:, None, None, :])
-        m = s.max(-1, keepdims=True)
-        e = jnp.exp(s - m)
-        return m, e.sum(-1, keepdims=True), jnp.einsum("skqc,skcd->skqd", e.astype(q.dtype), pv,
-                                                      preferred_element_type=jnp.float32)
     P, G = pk.shape[0], cache.group
     qp = q.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
     s = jnp.einsum("pkqd,pkdc->pkqc", qp, pk, preferred_element_type=jnp.float32).reshape(P, K, G, g, -1)
@@ -305,28 +301,36 @@ def _prompt_block(q, cache: SlotCache, layer: int, seen, scale, softcap):
     return rows(m), rows(e.sum(-1, keepdims=True)), rows(o)
 
 
-def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends: tuple, prompt):
+def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends: tuple, block=None, merge=None):
     """The ``heads`` layout's step: q [S, K, g, D] over the first ``mask.span`` + 1 generated parts (keys
-    [S, K, D, w], values [S, K, w, D]), each read in place (the parts' scores concatenated), in one float32 softmax
-    with the ``prompt`` block's (max, normaliser, unnormalised output), merged by their maxes. Returns
-    [S, K, g, D] in q.dtype."""
-    def upto(j, q, ks, vs, visible, prompt):
+    [S, K, D, w], values [S, K, w, D]), each read in place, and the prompt: ``block``, each slot's prompt keys /
+    values (their scores concatenated before the parts', one float32 softmax), or ``merge``, shared prompts'
+    (max, normaliser, unnormalised output) merged into the parts' softmax by their maxes. Returns [S, K, g, D] in
+    q.dtype."""
+    def upto(j, q, ks, vs, visible, block, merge):
+        keys, vals, seen, cut = ks[:j + 1], vs[:j + 1], visible[:, :ends[j]], (0,) + ends[:j + 1]
+        if block is not None:   # the slot's own prompt block, as one more part in front
+            keys, vals, seen = (block[0],) + keys, (block[1],) + vals, jnp.concatenate([block[2], seen], -1)
+            cut = (0,) + tuple(block[0].shape[-1] + c for c in cut)
         s = jnp.concatenate([jnp.einsum("skqd,skdc->skqc", q, x.astype(q.dtype), preferred_element_type=jnp.float32)
-                             for x in ks[:j + 1]], -1)
-        s = _scores(s, scale, softcap, visible[:, None, None, :ends[j]])
+                             for x in keys], -1)
+        s = _scores(s, scale, softcap, seen[:, None, None, :])
         m = s.max(-1, keepdims=True)
         e = jnp.exp(s - m)
         o = sum(jnp.einsum("skqc,skcd->skqd", e[..., lo:hi].astype(q.dtype), x.astype(q.dtype),
-                           preferred_element_type=jnp.float32) for x, lo, hi in zip(vs, (0,) + ends, ends[:j + 1]))
-        mp, zp, op = prompt
-        top = jnp.maximum(m, mp)
-        w, wp = jnp.exp(m - top), jnp.exp(mp - top)
-        return ((o * w + op * wp) / (e.sum(-1, keepdims=True) * w + zp * wp)).astype(q.dtype)
+                           preferred_element_type=jnp.float32) for x, lo, hi in zip(vals, cut, cut[1:]))
+        z = e.sum(-1, keepdims=True)
+        if merge is not None:
+            mp, zp, op = merge
+            top = jnp.maximum(m, mp)
+            w, wp = jnp.exp(m - top), jnp.exp(mp - top)
+            o, z = o * w + op * wp, z * w + zp * wp
+        return (o / z).astype(q.dtype)
 
     if len(ends) == 1:
-        return upto(0, q, ks, vs, mask.visible, prompt)
+        return upto(0, q, ks, vs, mask.visible, block, merge)
     return jax.lax.switch(mask.span, [functools.partial(upto, j) for j in range(len(ends))], q, ks, vs, mask.visible,
-                          prompt)
+                          block, merge)
 
 
 def _attend(q, ks, vs, visible, scale, softcap, qk: str, pv: str):
