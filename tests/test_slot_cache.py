@@ -46,7 +46,7 @@ def test_both_layouts_attend_over_each_slots_prefix(paged, window, softcap):
     rng = np.random.default_rng(0)
     S, K, H, D, C = 3, 2, 4, 8, 2 * PAGE
     cache, keys, values = _filled(paged, S, K, D, C - 1, rng)
-    assert cache.length == (C if paged else C - 1 - 5)
+    assert cache.length == (C if paged else C - 1)
     qpos = np.array([5, 6, C - 2])
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     keys[np.arange(S), qpos], values[np.arange(S), qpos] = new_k[:, 0], new_v[:, 0]
@@ -81,10 +81,10 @@ def test_the_tpu_paged_kernel_equals_the_reference_in_interpret_mode(dtype, atol
 
 @pytest.mark.parametrize("at", [[0, 3, 9], [2, 15, 38], [39, 16, 8]], ids=["all-in-part-0", "spread", "last-entry"])
 def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
-    """A prompt block of T = 11 and n = 40 generated entries cut at spans(40, 8) = 10, 20, 40 (parts 10, 10, 20):
-    each step's write landing in its slot's own part only (slots at different parts), and the step reading the
-    prompt and the parts up to the furthest slot (one part when every slot is in the first, all three with a slot
-    at the last entry) equal the reference over positions [0, qpos]."""
+    """A prompt of T = 11 columns in front of n = 40 generated entries cut at spans(40, 8) = 10, 20, 40 (parts of
+    21, 10, 20 columns): each step's write landing in its slot's own part only (slots at different parts), and the
+    step reading the parts up to the furthest slot (one part when every slot is in the first, all three with a
+    slot at the last entry) equal the reference over positions [0, qpos]."""
     from mrl_jax.models.slot_cache import spans
 
     rng = np.random.default_rng(2)
@@ -92,7 +92,7 @@ def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
     assert spans(n, 8) == (10, 20, 40) and spans(543) == (136, 272, 543) and spans(30) == (30,)
     keys, values = (rng.normal(size=(S, T + n, K, D)) for _ in range(2))   # by position
     cache = SlotCache.zeros(S, 1, K, D, T, n, jnp.float32, span=8)
-    assert [x.shape[3] for x in cache.k[0]] == [10, 10, 20] and cache.length == n and cache.pk[0].shape[-1] == T
+    assert [x.shape[3] for x in cache.k[0]] == [21, 10, 20] and cache.length == T + n and cache.width == T
     cache = cache.load(jnp.arange(S), (jnp.asarray(keys[:, :T].transpose(0, 2, 3, 1), jnp.float32),),
                        (jnp.asarray(values[:, :T].transpose(0, 2, 1, 3), jnp.float32),), jnp.full((S,), T, jnp.int32))
     for e in range(n):   # slot s writes generated entry (e + 7 s) mod n: the slots in different parts
@@ -111,8 +111,8 @@ def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
         jnp.asarray(q, jnp.float32), jnp.asarray(new_k, jnp.float32), jnp.asarray(new_v, jnp.float32), cache)
     np.testing.assert_allclose(np.asarray(out)[:, 0], _reference(q[:, 0], keys, values, qpos, 0.3, None, None),
                                atol=1e-5)
-    stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, n, K, D]
-    np.testing.assert_allclose(stored, keys[:, T:], atol=1e-6)
+    stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, T + n, K, D]
+    np.testing.assert_allclose(stored, keys, atol=1e-6)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, 5.0)])
@@ -121,8 +121,8 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     junk a slot must not see), generated entries in three parts (spans(20, 4)), slots at generated entries 0, a
     part's end and the last one, one slot free: each live slot's step equals the reference over its own copy of its
     prompt then its generated entries (sliding window and soft-cap crossing the prompt's end); the free slot writes
-    nothing. ``take`` moves 3 of the slots (and an empty one) out with a prompt block each: their blocks are their
-    prompts', their generated entries unmoved, and the same step over them gives the same output."""
+    nothing. ``take`` moves 3 of the slots (and an empty one) out unshared: each one's prompt in front of its
+    generated entries, and the same step over them gives the same output."""
     from mrl_jax.models.slot_cache import spans
 
     rng = np.random.default_rng(3)
@@ -165,10 +165,12 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
 
     keep = np.array([1, 4, 2, S])   # S: an empty slot
     moved = cache.take(jnp.asarray(keep[None], jnp.int32))
-    assert moved.group == 0 and moved.ends == cache.ends and moved.pk[0].shape == (4, K, D, Tc)
+    assert moved.group == 0 and moved.pk == () and moved.width == Tc and moved.ends == (Tc + 5, Tc + 10, Tc + 20)
     np.testing.assert_array_equal(np.asarray(moved.qpos), np.append(qpos[keep[:3]], 0))
     np.testing.assert_array_equal(np.asarray(moved.plen), np.append(base[keep[:3]], 0))
-    np.testing.assert_allclose(np.asarray(moved.pk[0])[:3], store_k[keep[:3] // G].transpose(0, 2, 3, 1))
+    columns = np.concatenate([np.asarray(x) for x in moved.k[0]], -1).transpose(0, 3, 1, 2)   # [4, Tc + n, K, D]
+    np.testing.assert_allclose(columns[:3, :Tc], store_k[keep[:3] // G], atol=1e-6)
+    np.testing.assert_allclose(columns[:3, Tc:], gen_k[keep[:3]], atol=1e-6)
     args = tuple(x[jnp.asarray(np.append(keep[:3], 0))] for x in args)
     again, _ = step(moved)
     np.testing.assert_allclose(np.asarray(again)[:3], np.asarray(out)[keep[:3]], atol=1e-5)

@@ -3,29 +3,31 @@
 S decode slots, each holding one row's entries: its prompt's keys / values (positions [0, plen), left-aligned)
 and its generated tokens' (generated entry j: position plen + j). A decode step feeds its token at position
 ``qpos``, writes its key / value at generated entry qpos - plen (:attr:`SlotCache.entry`) and attends over its
-prompt and generated entries [0, entry] (and the sliding window): a length per slot, no per-entry mask to keep.
-Two layouts, per layer:
+prompt and its generated entries up to that one (and the sliding window): a length per slot, no per-entry mask
+to keep. Two layouts, per layer:
 
-* ``heads`` (CPU, GPU): a prompt block, keys [S, K, D, Tc] / values [S, K, Tc, D] (Tc the prompt width), and
-  the generated entries in parts, keys [S, K, D, w] / values [S, K, w, D], cut at :func:`spans` ``(N - 1)``
-  (a quarter, a half and all of them, or doubling from 64 when N is short); heads-major, keys slot-minor, so the
-  step's matmuls read the cache in place (as :class:`mrl_jax.models.SampleCache`). A step reads the prompt block
-  and the generated parts up to the first span past every slot's entry (a ``lax.switch`` over the spans, one
-  program): a round whose slots hold short rows reads short spans, as the static sampler's length buckets do,
-  without copying a slice of the cache (XLA:CPU copies a sliced operand before a matmul), in one float32 softmax
-  merged over the blocks by their maxes. **Shared prompts** (``group`` G > 0: a slot per row, slot s decoding
-  row s, the G rows of prompt p in slots [p * G, (p + 1) * G)): the prompt block is the sampler's prompt store
-  [P, ...], attached for the step, not carried per slot, and read once for each prompt's G slots (one
-  [G * g, D] x [D, Tc] matmul per prompt and head, as the static sampler does); :meth:`SlotCache.take` gives the
-  slots it keeps their prompt's block, so the ladder's rungs below the first hold it per slot.
+* ``heads`` (CPU, GPU): keys [S, K, D, w] / values [S, K, w, D] in parts, the generated entries cut at
+  :func:`spans` ``(N - 1)`` (a quarter, a half and all of them, or doubling from 64 when N is short), the first
+  part led by the slot's prompt (Tc columns, Tc the prompt width: generated entry j is column Tc + j);
+  heads-major, keys slot-minor, so the step's two matmuls read the cache in place (as
+  :class:`mrl_jax.models.SampleCache`). A step reads the parts up to the first span past every slot's entry (a
+  ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads short spans, as the
+  static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a sliced operand
+  before a matmul: a slice per step cost more than the entries it saved). **Shared prompts** (``group`` G > 0: a
+  slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G)): the parts hold the
+  generated entries only, and the step reads each prompt's entries from the sampler's prompt store (keys
+  [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` / ``pv``) once for its G slots (one
+  [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts' softmax by the maxes, as the static
+  sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front of its first part, the layout of
+  the ladder's rungs below the first.
 * ``pages`` (TPU): keys and values [K, S * C / PAGE, PAGE, D], C = Tc + N - 1, slot s owning pages
-  [s * C / PAGE, (s + 1) * C / PAGE) in position order (prompt, then generated: plen is 0 to this layout, entry
-  = position): the layout of JAX's Pallas TPU paged attention kernel (``jax.experimental.pallas.ops.tpu.
-  paged_attention``), which the step runs on TPU for a layer without a sliding window whose head dim is a multiple
-  of 128 (the kernel's lane width; 64- and 96-wide heads do not lower); the other layers, and every platform but
-  TPU, run the pure-JAX step over the same pages. The page table is the identity: a row's prompt is copied into its
-  slot's pages when it enters (`load`); sharing them among a prompt's G slots would need the partial last page
-  copied per slot (not done).
+  [s * C / PAGE, (s + 1) * C / PAGE) in position order (plen is 0 to this layout: entry = position): the layout
+  of JAX's Pallas TPU paged attention kernel (``jax.experimental.pallas.ops.tpu.paged_attention``), which the
+  step runs on TPU for a layer without a sliding window whose head dim is a multiple of 128 (the kernel's lane
+  width; 64- and 96-wide heads do not lower); the other layers, and every platform but TPU, run the pure-JAX step
+  over the same pages. The page table is the identity: a row's prompt is copied into its slot's pages when it
+  enters (`load`); sharing them among a prompt's G slots would need the partial last page copied per slot (not
+  done).
 """
 from __future__ import annotations
 
@@ -60,11 +62,11 @@ def spans(length: int, smallest: int = SPAN) -> tuple[int, ...]:
 
 @struct.dataclass
 class SlotMask:
-    """A decode step's mask over a SlotCache: visible bool[S, n] (generated entry j of slot s is seen: j at most its
-    :attr:`SlotCache.entry`, and within the window; ``pages``: bool[S, C] over positions); prompt bool[S, Tc] (the
-    prompt block's entries seen: below the slot's prompt length, within the window; ``pages``: None); span int32:
-    how many generated parts the step reads, less one (the first part end past every slot's entry); window: the
-    layer's sliding window (static; None: none)."""
+    """A decode step's mask over a SlotCache: visible bool[S, C] over each slot's columns (a prompt column c seen
+    below its prompt's length, a generated entry up to the slot's own; both within the sliding window); prompt
+    bool[S, Tc], the shared prompt store's entries each slot sees (shared prompts; else None); span int32: how many
+    parts the step reads, less one (the first part end past every slot's column); window: the layer's sliding
+    window (static; None: none)."""
 
     visible: jax.Array
     span: jax.Array
@@ -74,11 +76,12 @@ class SlotMask:
 
 @struct.dataclass
 class SlotCache:
-    """S slots' entries per layer (layouts: see the module docstring): k, v tuples of L layers, each (``heads``) a
-    tuple of generated parts or (``pages``) one array; pk, pv (``heads``): L prompt blocks, per slot [S, ...] or,
-    with ``group`` G > 0, the prompt store [P, ...] attached for a step or a move (else ()); qpos int32[S]: the
-    position each slot feeds at this step; plen int32[S]: its row's prompt length (position of generated entry 0;
-    ``pages``: 0); paged: the ``pages`` layout."""
+    """S slots' columns per layer (layouts: see the module docstring): k, v tuples of L layers, each (``heads``) a
+    tuple of parts or (``pages``) one array; qpos int32[S]: the position each slot feeds at this step; plen
+    int32[S]: its row's prompt length (the position of generated entry 0; ``pages``: 0); pk, pv: the shared
+    prompt store, L x [P, K, D, Tc] / [P, K, Tc, D], attached for a step or a move (else ()); paged: the ``pages``
+    layout; width: the prompt columns leading the first part (``heads`` without shared prompts; else 0); group: G
+    slots per prompt sharing its entries (0: none)."""
 
     k: tuple
     v: tuple
@@ -87,15 +90,16 @@ class SlotCache:
     pk: tuple = ()
     pv: tuple = ()
     paged: bool = struct.field(pytree_node=False, default=False)
+    width: int = struct.field(pytree_node=False, default=0)
     group: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def zeros(cls, slots: int, layers: int, kv_heads: int, head_dim: int, width: int, length: int, dtype,
               paged: bool = False, span: int = SPAN, group: int = 0) -> "SlotCache":
-        """An empty cache for prompts of ``width`` entries and ``length`` generated ones per slot: ``pages``
-        width + length entries rounded up to whole pages; ``heads`` a prompt block per slot (none with ``group``:
-        G slots per prompt read the prompt store) and the generated entries in parts cut at ``spans(length,
-        span)``."""
+        """An empty cache for prompts of ``width`` columns and ``length`` generated entries per slot: ``pages``
+        width + length columns rounded up to whole pages; ``heads`` the generated entries in parts cut at
+        ``spans(length, span)``, the prompt's columns in front of the first (none with ``group``: G slots per
+        prompt read the prompt store)."""
         if group and (paged or slots % group):
             raise ValueError(f"SlotCache: shared prompts need the heads layout and G ({group}) dividing the "
                              f"slots ({slots})")
@@ -104,13 +108,12 @@ class SlotCache:
             n = -(-(width + length) // PAGE)
             k = v = jnp.zeros((kv_heads, slots * n, PAGE, head_dim), dtype)
             return cls(k=(k,) * layers, v=(v,) * layers, qpos=zero, plen=zero, paged=True)
+        lead = 0 if group else int(width)
         ends = spans(length, span)
-        widths = [b - a for a, b in zip((0,) + ends, ends)]
+        widths = [b - a + (lead if a == 0 else 0) for a, b in zip((0,) + ends, ends)]
         k = tuple(jnp.zeros((slots, kv_heads, head_dim, w), dtype) for w in widths)
         v = tuple(jnp.zeros((slots, kv_heads, w, head_dim), dtype) for w in widths)
-        pk = () if group else (jnp.zeros((slots, kv_heads, head_dim, width), dtype),) * layers
-        pv = () if group else (jnp.zeros((slots, kv_heads, width, head_dim), dtype),) * layers
-        return cls(k=(k,) * layers, v=(v,) * layers, qpos=zero, plen=zero, pk=pk, pv=pv, group=group)
+        return cls(k=(k,) * layers, v=(v,) * layers, qpos=zero, plen=zero, width=lead, group=group)
 
     @property
     def slots(self) -> int:
@@ -118,18 +121,18 @@ class SlotCache:
 
     @property
     def length(self) -> int:
-        """Entries per slot in ``k`` / ``v``: C (``pages``), the generated ones (``heads``)."""
+        """C, columns per slot (prompt columns included)."""
         return self.k[0].shape[1] * PAGE // self.slots if self.paged else sum(x.shape[3] for x in self.k[0])
 
     @property
     def ends(self) -> tuple[int, ...]:
-        """The entry each part of ``k`` / ``v`` ends at (``pages``: one part)."""
+        """The column each part ends at (``pages``: one part)."""
         return (self.length,) if self.paged else tuple(np.cumsum([x.shape[3] for x in self.k[0]]).tolist())
 
     @property
     def entry(self) -> jax.Array:
-        """int32[S]: the entry of ``k`` / ``v`` each slot's step writes, qpos - plen (negative for a free slot in a
-        shared-prompt cache, which steps at position 0: no entry)."""
+        """int32[S]: the generated entry each slot's step writes, qpos - plen (negative for a free slot of a
+        shared-prompt cache, which steps at position 0: it writes nothing); its column is ``width`` + entry."""
         return self.qpos - self.plen
 
     def _slot_major(self, x):
@@ -141,53 +144,64 @@ class SlotCache:
 
     def step_masks(self, gen_index=None, window: Optional[int] = None) -> SlotMask:
         """The step's :class:`SlotMask` (``gen_index`` unused: each slot's step is its ``qpos``)."""
-        def seen(e, q):   # entries e [1, n] against the query at q, both counted from the same origin
+        def seen(e, q):   # entries e [1, n] against the query's q, both counted from the same origin
             out = e <= q
             return out if window is None else out & (e > q - window)
 
-        at = self.entry[:, None]
+        c = jnp.arange(self.length, dtype=jnp.int32)[None, :]
+        at, qpos, plen = self.entry[:, None], self.qpos[:, None], self.plen[:, None]
+        visible = jnp.where(c < self.width, seen(c, qpos) & (c < plen), seen(c - self.width, at))
         prompt = None
-        if not self.paged:   # prompt entry c is position c, seen below the row's prompt length
-            c = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)[None, :]
-            prompt = seen(c, self.qpos[:, None]) & (c < self.plen[:, None])
-        span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(at), dtype=jnp.int32)   # its part
-        return SlotMask(visible=seen(jnp.arange(self.length, dtype=jnp.int32)[None, :], at), span=span,
-                        prompt=prompt, window=window)
+        if self.group:   # the store's entry c is position c
+            t = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)[None, :]
+            prompt = seen(t, qpos) & (t < plen)
+        span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(self.entry) + self.width, dtype=jnp.int32)
+        return SlotMask(visible=visible, span=span, prompt=prompt, window=window)
 
     def load(self, slots: jax.Array, keys: tuple, values: tuple, lengths: jax.Array) -> "SlotCache":
         """Rows entering ``slots`` (int32[a]; S drops the row): per layer their prompts' keys [a, K, D, T] and
-        values [a, K, T, D] (left-aligned, T the prompt width), ``lengths`` int32[a] their prompt lengths."""
+        values [a, K, T, D] (left-aligned, T the prompt width) into columns [0, T); ``lengths`` int32[a] their
+        prompt lengths (``heads``)."""
+        t = keys[0].shape[-1]
         if self.paged:
-            t = keys[0].shape[-1]
-
-            def put(x, new):   # new [a, K, T, D] into entries [0, T)
+            def put(x, new):   # new [a, K, T, D]
                 return self._pages(self._slot_major(x).at[:, slots, :t].set(new.transpose(1, 0, 2, 3), mode="drop"))
             return self.replace(k=tuple(put(x, n.swapaxes(2, 3)) for x, n in zip(self.k, keys)),
                                 v=tuple(put(x, n) for x, n in zip(self.v, values)))
-        return self.replace(pk=tuple(x.at[slots].set(n, mode="drop") for x, n in zip(self.pk, keys)),
-                            pv=tuple(x.at[slots].set(n, mode="drop") for x, n in zip(self.pv, values)),
+
+        def first(parts, new, axis):   # the prompt's columns of a layer's first part
+            return (parts[0].at[(slots,) + (slice(None),) * (axis - 1) + (slice(0, t),)].set(new, mode="drop"),
+                    ) + parts[1:]
+        return self.replace(k=tuple(first(x, n, 3) for x, n in zip(self.k, keys)),
+                            v=tuple(first(x, n, 2) for x, n in zip(self.v, values)),
                             plen=self.plen.at[slots].set(lengths, mode="drop"))
 
     def take(self, local: jax.Array) -> "SlotCache":
         """The cache of the slots ``local`` names (int32[d, S' / d]: in each of d blocks of S / d consecutive slots
         -- a device's share of them --, the slots it keeps, in order; S / d: an empty slot): S' slots, each block's
         from its own slots (a mesh splitting the slots moves nothing between devices). Shared prompts (the store
-        attached, d dividing P) come out per slot: each kept slot's block from its block's own prompts."""
+        attached, d dividing P) come out unshared: each kept slot's prompt, from its block's own prompts, in front
+        of its first part."""
         def blocks(x, axis=0):
             return take_blocks(x, local, axis)
         if self.paged:
             k = tuple(self._pages(blocks(self._slot_major(x), 1)) for x in self.k)
             v = tuple(self._pages(blocks(self._slot_major(x), 1)) for x in self.v)
             return self.replace(k=k, v=v, qpos=blocks(self.qpos))
-        if self.group:   # slot s reads prompt s // G: within a block, local slot l reads the block's prompt l // G
-            pk, pv = (tuple(take_blocks(x, local // self.group, 0) for x in xs) for xs in (self.pk, self.pv))
-        else:
-            pk, pv = jax.tree.map(blocks, (self.pk, self.pv))
         k, v = jax.tree.map(blocks, (self.k, self.v))
-        return SlotCache(k=k, v=v, qpos=blocks(self.qpos), plen=blocks(self.plen), pk=pk, pv=pv)
+        cache = self.replace(k=k, v=v, qpos=blocks(self.qpos), plen=blocks(self.plen))
+        if not self.group:
+            return cache
+
+        def lead(store, parts, axis):   # slot s reads prompt s // G: in a block, local slot l its prompt l // G
+            return (jnp.concatenate([take_blocks(store, local // self.group, 0), parts[0]], axis),) + parts[1:]
+        return cache.replace(k=tuple(lead(x, ps, 3) for x, ps in zip(self.pk, k)),
+                             v=tuple(lead(x, ps, 2) for x, ps in zip(self.pv, v)), pk=(), pv=(),
+                             width=self.pk[0].shape[-1], group=0)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
-        """The step's keys / values [S, 1, K, D] at :attr:`entry` of every slot, in layer ``layer``."""
+        """The step's keys / values [S, 1, K, D] at column ``width`` + :attr:`entry` of every slot, in layer
+        ``layer``."""
         dtype = jax.tree.leaves(self.k[layer])[0].dtype
         k, v = k[:, 0].astype(dtype), v[:, 0].astype(dtype)   # [S, K, D]
 
@@ -203,30 +217,31 @@ class SlotCache:
             nv = self._pages(put(1, 1)(self._slot_major(self.v[layer]), v, self.qpos))
             return self.replace(k=_set(self.k, layer, nk), v=_set(self.v, layer, nv))
 
-        # one slot's keys [K, D, w] (entry on axis 2), values [K, w, D] (axis 1); a part not holding the slot's
-        # entry drops the write (its index moved past the part's end: a negative one would count from the end)
+        # one slot's keys [K, D, w] (column on axis 2), values [K, w, D] (axis 1); a part not holding the slot's
+        # column, or no column (a free slot's negative entry), drops the write (moved past the part's end: a
+        # negative index would count from the end)
         def put_part(axis):
             def one(x, new, pos):
                 at = jnp.where(pos < 0, x.shape[axis], pos)
                 return x.at[(slice(None),) * axis + (at,)].set(new, mode="drop")
             return jax.vmap(one)
 
-        starts, entry = (0,) + self.ends[:-1], self.entry
-        nk = tuple(put_part(2)(x, k, entry - lo) for x, lo in zip(self.k[layer], starts))
-        nv = tuple(put_part(1)(x, v, entry - lo) for x, lo in zip(self.v[layer], starts))
+        entry = self.entry
+        col = jnp.where(entry < 0, -1 - self.length, entry + self.width)
+        starts = (0,) + self.ends[:-1]
+        nk = tuple(put_part(2)(x, k, col - lo) for x, lo in zip(self.k[layer], starts))
+        nv = tuple(put_part(1)(x, v, col - lo) for x, lo in zip(self.v[layer], starts))
         return self.replace(k=_set(self.k, layer, nk), v=_set(self.v, layer, nv))
 
     def constrain(self, rows: Optional[NamedSharding]) -> "SlotCache":
-        """The slots split as ``rows`` (a sharding of dim 0) splits rows; None: unchanged (a shared prompt store
-        is placed as the sampler places it)."""
+        """The slots split as ``rows`` (a sharding of dim 0) splits rows; None: unchanged."""
         if rows is None:
             return self
         c = jax.lax.with_sharding_constraint
         pages = NamedSharding(rows.mesh, PartitionSpec(None, rows.spec[0]))
         kv = pages if self.paged else rows
-        prompts = (self.pk, self.pv) if self.group else jax.tree.map(lambda x: c(x, rows), (self.pk, self.pv))
         return self.replace(k=jax.tree.map(lambda x: c(x, kv), self.k), v=jax.tree.map(lambda x: c(x, kv), self.v),
-                            pk=prompts[0], pv=prompts[1], qpos=c(self.qpos, rows), plen=c(self.plen, rows))
+                            qpos=c(self.qpos, rows), plen=c(self.plen, rows))
 
 
 def take_blocks(x, local: jax.Array, axis: int, fill=0):
@@ -250,11 +265,8 @@ def attend_slots(q, k, v, mask: SlotMask, scale: float, cache: SlotCache, layer:
     K = k.shape[2]
     if not cache.paged:
         q = q.reshape(S, K, H // K, D)
-        if cache.group:
-            prompt = dict(merge=_shared_prompts(q, cache, layer, mask.prompt, scale, softcap))
-        else:
-            prompt = dict(block=(cache.pk[layer], cache.pv[layer], mask.prompt))
-        out = _attend_parts(q, cache.k[layer], cache.v[layer], mask, scale, softcap, cache.ends, **prompt)
+        merge = _shared_prompts(q, cache, layer, mask.prompt, scale, softcap) if cache.group else None
+        out = _attend_parts(q, cache.k[layer], cache.v[layer], mask, scale, softcap, cache.ends, merge)
         return out.reshape(S, 1, H, D), cache
     ks, vs = cache._slot_major(cache.k[layer]), cache._slot_major(cache.v[layer])   # [K, S, C, D]
 
@@ -301,24 +313,19 @@ def _shared_prompts(q, cache: SlotCache, layer: int, seen, scale, softcap):
     return rows(m), rows(e.sum(-1, keepdims=True)), rows(o)
 
 
-def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends: tuple, block=None, merge=None):
-    """The ``heads`` layout's step: q [S, K, g, D] over the first ``mask.span`` + 1 generated parts (keys
-    [S, K, D, w], values [S, K, w, D]), each read in place, and the prompt: ``block``, each slot's prompt keys /
-    values (their scores concatenated before the parts', one float32 softmax), or ``merge``, shared prompts'
-    (max, normaliser, unnormalised output) merged into the parts' softmax by their maxes. Returns [S, K, g, D] in
-    q.dtype."""
-    def upto(j, q, ks, vs, visible, block, merge):
-        keys, vals, seen, cut = ks[:j + 1], vs[:j + 1], visible[:, :ends[j]], (0,) + ends[:j + 1]
-        if block is not None:   # the slot's own prompt block, as one more part in front
-            keys, vals, seen = (block[0],) + keys, (block[1],) + vals, jnp.concatenate([block[2], seen], -1)
-            cut = (0,) + tuple(block[0].shape[-1] + c for c in cut)
+def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends: tuple, merge=None):
+    """The ``heads`` layout's step: q [S, K, g, D] over the first ``mask.span`` + 1 parts (keys [S, K, D, w],
+    values [S, K, w, D]), each read in place: the parts' scores concatenated, one float32 softmax, the values'
+    products summed; ``merge``: shared prompts' (max, normaliser, unnormalised output) [S, K, g, 1 | 1 | D] in the
+    same softmax, merged by the maxes. Returns [S, K, g, D] in q.dtype."""
+    def upto(j, q, ks, vs, visible, merge):
         s = jnp.concatenate([jnp.einsum("skqd,skdc->skqc", q, x.astype(q.dtype), preferred_element_type=jnp.float32)
-                             for x in keys], -1)
-        s = _scores(s, scale, softcap, seen[:, None, None, :])
+                             for x in ks[:j + 1]], -1)
+        s = _scores(s, scale, softcap, visible[:, None, None, :ends[j]])
         m = s.max(-1, keepdims=True)
         e = jnp.exp(s - m)
         o = sum(jnp.einsum("skqc,skcd->skqd", e[..., lo:hi].astype(q.dtype), x.astype(q.dtype),
-                           preferred_element_type=jnp.float32) for x, lo, hi in zip(vals, cut, cut[1:]))
+                           preferred_element_type=jnp.float32) for x, lo, hi in zip(vs, (0,) + ends, ends[:j + 1]))
         z = e.sum(-1, keepdims=True)
         if merge is not None:
             mp, zp, op = merge
@@ -328,9 +335,9 @@ def _attend_parts(q, ks: tuple, vs: tuple, mask: SlotMask, scale, softcap, ends:
         return (o / z).astype(q.dtype)
 
     if len(ends) == 1:
-        return upto(0, q, ks, vs, mask.visible, block, merge)
+        return upto(0, q, ks, vs, mask.visible, merge)
     return jax.lax.switch(mask.span, [functools.partial(upto, j) for j in range(len(ends))], q, ks, vs, mask.visible,
-                          block, merge)
+                          merge)
 
 
 def _attend(q, ks, vs, visible, scale, softcap, qk: str, pv: str):
