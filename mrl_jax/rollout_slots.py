@@ -32,8 +32,8 @@ How it works:
 * shared prompts (:func:`shares_prompts`: a slot per row, S = P * G -- the default and every GRPO round --, the
   ``heads`` layout, G > 1): slot r decodes row r and holds only its generated entries; a step reads each prompt's
   entries once for its G slots from the prompt store, in one softmax with the slots' own entries (the static
-  sampler's block-merged softmax), and the move to the ladder's second rung gives each kept row its prompt's
-  block (a gather of P x Tc entries; the generated ones move as before).
+  sampler's block-merged softmax), and the move to the ladder's second rung puts each kept row's prompt (from
+  the store) in front of its first part, the layout of the rungs below.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
@@ -193,8 +193,8 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     n, b = config.max_new_tokens, p.tok0.shape[0]
     live = st.row >= 0
     r, i = jnp.maximum(st.row, 0), jnp.minimum(st.step, n - 1)
-    # a free slot feeds row 0's token at position 0: it writes its own entry 0 (rewritten when a row enters) and
-    # attends over that one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length
+    # a free slot feeds row 0's token at position 0: it writes at most an entry that a row entering rewrites, and
+    # attends over one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length
     qpos = jnp.where(live, p.plen[r // g] + i - 1, 0)
     cache = st.cache.replace(qpos=qpos)
     if cache.group:   # the prompt store, read by the step, not carried in the state
