@@ -446,18 +446,21 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size),
                   shrink)
     programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows, queue=s < b)
+    whole = len(sizes) == 1 and s >= b and config.max_new_tokens - 1 <= int(chunk)   # one chunk ends every row
     gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
-                       mesh, rows)
+                       mesh, rows, whole)
     next(gen)
     return gen
 
 
-def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
+def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows, whole: bool = False):
     """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
     once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape
     compiles the rungs below the first in the background (:func:`_compile_below`, one process) and runs the rungs
-    it did not reach (no step: the round is done), so a later round compiles nothing. A process holding none of
-    the mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
+    it did not reach (no step: the round is done), so a later round compiles nothing. ``whole``: one chunk decodes
+    every row to its end (a slot per row, one rung, N - 1 steps at most in a chunk), so it runs without reading a
+    status. A process holding none of the mesh's devices runs no chunk (its outputs come from the mesh's
+    processes)."""
     start, chunks_at, compacts, finish, below = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
         prompts, state, status = start(params, ids, mask, key)
@@ -479,7 +482,10 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
 
     chunks, rung = 0, 0
     blocks = _split(rows)   # the slots' blocks: one per device of the data axes
-    if here and any(left(status)):
+    if here and whole:
+        state, status = chunks_at[rung](params, prompts, state)
+        chunks += 1
+    elif here and any(left(status)):
         state, status = chunks_at[rung](params, prompts, state)
         chunks += 1
         while True:   # chunk k + 1 dispatched before chunk k's status is read: the device never waits for the host

@@ -226,6 +226,35 @@ def test_one_decode_program_whatever_the_lengths(llama):
         generate_slots(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, slots=3, width=8)
 
 
+def test_a_round_one_chunk_ends_runs_one_chunk(llama):
+    """A slot per row, one rung and N - 1 = 8 steps in a chunk of 8: every row ends in the first chunk, so the
+    sampler dispatches that one (no chunk ahead, no status read before it) and its tokens equal the static
+    sampler's, rows ending at step 0 included."""
+    from mrl_jax import rollout_slots
+
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=9, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
+    key = jax.random.key(4)
+    generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8)   # its programs, memoised
+    (name,) = [k for k in rollout_slots._PROGRAMS if k[0] is g and k[1] == cfg and k[5] == 8]
+    start, chunks, compacts, finish, below = programs = rollout_slots._PROGRAMS[name]
+    calls = []
+
+    def counted(f):
+        def call(*a, **kw):
+            calls.append(1)
+            return f(*a, **kw)
+        return call
+
+    rollout_slots._PROGRAMS[name] = (start, tuple(counted(c) for c in chunks), compacts, finish, below)
+    try:
+        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8)
+    finally:
+        rollout_slots._PROGRAMS[name] = programs
+    _assert_same(out, jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4)))
+    assert len(calls) == 1 and stats["rungs"] == (12,) and stats["chunks"] == 1, (calls, stats)
+
+
 def test_a_free_slot_attends_over_one_entry(llama):
     """Once the queue is empty, a slot left free runs its step at position 0 (length 1: the TPU kernel reads one
     page of it, not the length of the row that left it); a live slot at its row's position. One step per call."""
