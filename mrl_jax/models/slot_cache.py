@@ -150,7 +150,9 @@ class SlotCache:
 
         c = jnp.arange(self.length, dtype=jnp.int32)[None, :]
         at, qpos, plen = self.entry[:, None], self.qpos[:, None], self.plen[:, None]
-        visible = jnp.where(c < self.width, seen(c, qpos) & (c < plen), seen(c - self.width, at))
+        visible = seen(c - self.width, at)
+        if self.width:   # the prompt's columns lead the first part
+            visible = jnp.where(c < self.width, seen(c, qpos) & (c < plen), visible)
         prompt = None
         if self.group:   # the store's entry c is position c
             t = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)[None, :]
