@@ -1,5 +1,5 @@
-"""The slot sampler against the static sampler on GRPO's layout (P prompts x G 8, every row decoding N tokens: no
-stop id), in one process: the min of R alternating calls of each, three shapes.
+"""The slot sampler against the static sampler on GRPO's layout (P prompts x G 8, every row decoding up to N tokens),
+in one process: the min of R alternating calls of each (each returning its whole Rollout to the host), five shapes.
 
     python benchmarks/bench_grpo_slots.py [--quick] [--wait-idle SECONDS] [--out FILE]
 
@@ -14,12 +14,15 @@ import os
 import sys
 import time
 
-# name: (prompts P, samples G, prompt tokens, new tokens N, hidden): bench_rollout's quick_g8 (64 rows), the same
-# at 64 prompts (512 rows), its demo_g8 (1024 rows)
-SHAPES = {"quick_g8": (8, 8, 32, 32, 64), "quick_g8_512_rows": (64, 8, 32, 32, 64), "demo_g8": (128, 8, 64, 64, 96)}
+# name: (prompts P, samples G, prompt tokens, new tokens N, hidden, layers, stop id): bench_rollout's quick_g8 (64
+# rows), the same at 64 prompts (512 rows), its demo_g8 (1024 rows); bench_trl.py's two GRPO shapes (its tiny
+# model's size: 4 layers, hidden 128; a stop id, which a random model's rows rarely sample)
+SHAPES = {"quick_g8": (8, 8, 32, 32, 64, 2, None), "quick_g8_512_rows": (64, 8, 32, 32, 64, 2, None),
+          "demo_g8": (128, 8, 64, 64, 96, 2, None), "trl_small": (8, 8, 16, 32, 128, 4, 2),
+          "trl_realistic": (8, 8, 128, 128, 128, 4, 2)}
 
 
-def bench(P: int, G: int, Tp: int, N: int, hidden: int, repeats: int) -> dict:
+def bench(P: int, G: int, Tp: int, N: int, hidden: int, layers: int, stop: int | None, repeats: int) -> dict:
     import jax
     import numpy as np
     from flax import nnx
@@ -29,15 +32,15 @@ def bench(P: int, G: int, Tp: int, N: int, hidden: int, repeats: int) -> dict:
     from mrl_jax.rollout_slots import generate_slots
 
     gd, params = nnx.split(models.tiny_model("llama", 512, seed=0, hidden_size=hidden, intermediate_size=2 * hidden,
-                                             num_layers=2, num_heads=4, num_kv_heads=2))
+                                             num_layers=layers, num_heads=4, num_kv_heads=2))
     ids = np.random.default_rng(0).integers(1, 512, size=(P, Tp)).astype(np.int32)
     mask = np.ones((P, Tp), bool)
-    cfg = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=None, pad_id=0)
+    cfg = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_id=stop, pad_id=0)
     key, stats = [jax.random.key(0)], {}
 
     def static():
         key[0], k = jax.random.split(key[0])
-        return jax.device_get(generate(gd, params, ids, mask, k, cfg, num_samples=G).tokens)
+        return jax.device_get(generate(gd, params, ids, mask, k, cfg, num_samples=G)).tokens   # the whole Rollout
 
     def slots():
         key[0], k = jax.random.split(key[0])

@@ -34,6 +34,10 @@ How it works:
   entries once for its G slots from the prompt store, in one softmax with the slots' own entries (the static
   sampler's block-merged softmax), and the move to the ladder's second rung puts each kept row's prompt (from
   the store) in front of its first part, the layout of the rungs below.
+* one program (:func:`one_program`: a slot per row and one rung -- every round at the default S of at most
+  ``slot_ladder.SHORT`` new tokens, the ``pages`` layout's every round at S = P * G): nothing queues and nothing
+  moves, so the host has nothing to decide and the round is one program (:func:`_round`: the prefill, the steps to
+  the last row's end, the outputs), as the static sampler's is, with no status read and no chunk.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
@@ -60,7 +64,7 @@ import functools
 import inspect
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +175,16 @@ def _fits(p: _Prompts, st: _State, d: int, below: int | None):
     return (st.ptr >= p.count) & (jnp.max(jnp.sum(st.row.reshape(d, -1) >= 0, 1)) <= below)
 
 
+def _positions(p: _Prompts, st: _State, g: int) -> _State:
+    """``st`` with each slot's position for its next step (the cache's qpos): its row's prompt length + its step - 1;
+    a free slot 0 (it feeds row 0's token at position 0: it writes at most an entry that a row entering rewrites,
+    and attends over one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length).
+    Set once per step for the next and carried, so the decode step's masks read it (computed inside the step,
+    XLA:CPU fused its arithmetic into every layer's softmax)."""
+    qpos = jnp.where(st.row >= 0, p.plen[jnp.maximum(st.row, 0) // g] + st.step - 1, 0)   # a live slot's step < N
+    return st.replace(cache=st.cache.replace(qpos=qpos))
+
+
 def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
     """Up to ``a`` queued rows into free slots: each one's prompt copied into its slot (`SlotCache.load`), its token 0
     to feed, step 1."""
@@ -182,37 +196,46 @@ def _admit(p: _Prompts, st: _State, a: int, g: int) -> _State:
     idx = jnp.where(ok, free, s)   # s: dropped
     pr = row // g
     cache = st.cache.load(idx, tuple(k[pr] for k in p.pk), tuple(v[pr] for v in p.pv), p.plen[pr])
-    return st.replace(cache=cache, row=st.row.at[idx].set(row, mode="drop"),
-                      step=st.step.at[idx].set(1, mode="drop"), tok=st.tok.at[idx].set(p.tok0[row], mode="drop"),
-                      ptr=st.ptr + jnp.sum(ok, dtype=jnp.int32))
+    return _positions(p, st.replace(cache=cache, row=st.row.at[idx].set(row, mode="drop"),
+                                    step=st.step.at[idx].set(1, mode="drop"),
+                                    tok=st.tok.at[idx].set(p.tok0[row], mode="drop"),
+                                    ptr=st.ptr + jnp.sum(ok, dtype=jnp.int32)), g)
 
 
 def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _State:
     """One decode step of every slot: feed its token at its position, sample its next token with its row's
     uniforms at its step, write it to the row's outputs; a row that ends frees its slot."""
     n, b = config.max_new_tokens, p.tok0.shape[0]
-    live = st.row >= 0
-    r, i = jnp.maximum(st.row, 0), jnp.minimum(st.step, n - 1)
-    # a free slot feeds row 0's token at position 0: it writes at most an entry that a row entering rewrites, and
-    # attends over one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length
-    qpos = jnp.where(live, p.plen[r // g] + i - 1, 0)
-    cache = st.cache.replace(qpos=qpos)
-    if cache.group:   # the prompt store, read by the step, not carried in the state
+    live, shared = st.row >= 0, st.cache.group
+    # shared prompts: slot r decodes row r, every slot at step t + 1 (`SlotCache.group`): the outputs' one column
+    i = jnp.minimum(st.t + 1 if shared else st.step, n - 1)
+    cache = st.cache   # its qpos: each slot's position this step (`_positions`)
+    if shared:   # the prompt store, read by the step, not carried in the state
         cache = cache.replace(pk=p.pk, pv=p.pv)
-    logits, cache = model.decode_step(st.tok[:, None], qpos[:, None], cache, 0)
-    if cache.group:
+    logits, cache = model.decode_step(st.tok[:, None], cache.qpos[:, None], cache, 0)
+    if shared:
         cache = cache.replace(pk=(), pv=())
-    u = None if p.u is None else p.u[r, i].T[..., None]
+        u = None if p.u is None else jax.lax.dynamic_index_in_dim(p.u, i, 1, keepdims=False).T[..., None]
+    else:
+        u = None if p.u is None else p.u[jnp.maximum(st.row, 0), i].T[..., None]
     tok, lp, slp = sample_rows(logits[:, -1], u, config)
-    out = jnp.where(live, st.row, b)   # b: dropped
     hit = (jnp.any(tok[:, None] == jnp.asarray(config.eos_ids, jnp.int32)[None], -1) if config.eos_ids
            else jnp.zeros_like(live))
-    done = hit | (i >= n - 1)
-    return st.replace(cache=cache, row=jnp.where(live & done, -1, st.row), step=st.step + 1, tok=tok, t=st.t + 1,
-                      work=st.work + st.row.shape[0],
-                      tokens=st.tokens.at[out, i].set(tok, mode="drop"),
-                      logps=st.logps.at[out, i].set(jnp.stack([lp, slp], -1), mode="drop"),
-                      mask=st.mask.at[out, i].set(True, mode="drop"), ended=st.ended.at[out].set(hit, mode="drop"))
+    out = jnp.where(live, st.row, b)   # the rows written (b: dropped)
+    st = st.replace(cache=cache, row=jnp.where(live & (hit | (i >= n - 1)), -1, st.row), step=st.step + 1, tok=tok,
+                    t=st.t + 1, work=st.work + st.row.shape[0])
+    if shared:
+        def put(x, new):   # the live rows' entries of column i, in place
+            old = jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(
+                x, jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old), i, 1)
+        st = st.replace(tokens=put(st.tokens, tok), logps=put(st.logps, jnp.stack([lp, slp], -1)),
+                        mask=put(st.mask, live), ended=jnp.where(live, hit, st.ended))
+    else:
+        st = st.replace(tokens=st.tokens.at[out, i].set(tok, mode="drop"),
+                        logps=st.logps.at[out, i].set(jnp.stack([lp, slp], -1), mode="drop"),
+                        mask=st.mask.at[out, i].set(True, mode="drop"), ended=st.ended.at[out].set(hit, mode="drop"))
+    return _positions(p, st, g)
 
 
 def _prefill(model, prompt_ids, prompt_mask, width: int):
@@ -273,9 +296,10 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
                    logps=jnp.zeros((b, n, 2), jnp.float32).at[:, 0].set(jnp.stack([lp, slp], -1)),
                    mask=jnp.zeros((b, n), bool).at[:, 0].set(True), ended=ended)
     if group:   # slot r decodes row r
-        state = state.replace(cache=cache.replace(plen=jnp.repeat(plen, g, total_repeat_length=b)),
-                              row=jnp.where(needs, jnp.arange(b, dtype=jnp.int32), -1),
-                              step=jnp.ones((slots,), jnp.int32), tok=tok0, ptr=prompts.count)
+        seated = state.replace(cache=cache.replace(plen=jnp.repeat(plen, g, total_repeat_length=b)),
+                               row=jnp.where(needs, jnp.arange(b, dtype=jnp.int32), -1),
+                               step=jnp.ones((slots,), jnp.int32), tok=tok0, ptr=prompts.count)
+        state = _positions(prompts, seated, g)
     else:
         state = _admit(prompts, state, slots, g)
     state = _constrain(state, rows)
@@ -334,6 +358,38 @@ def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None) -> _Sta
                                     tok=take(state.tok)), rows)
 
 
+def _rollout(tokens, logps, mask, ended, t, work):
+    """The round's Rollout from the state's outputs, and counts int32[2]: decode steps, row-steps (step 0 of every
+    row + the slots of each decode step run)."""
+    counts = jnp.stack([t, tokens.shape[0] + work])
+    return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
+                   lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended), counts
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
+def _round(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, slots: int,
+           width: int, rows=None):
+    """A whole round as one program where the host has nothing to decide (:func:`one_program`: a slot per row, one
+    rung -- no queue to refill from, no move): the prefill, decode steps until every row has ended, the outputs.
+    The static sampler's shape of program, with the slot sampler's step. Returns (Rollout [P * G, N], counts: see
+    `_rollout`)."""
+    global _TRACES
+    _TRACES += 1
+    g = num_samples
+    prompts, state, _ = _start(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=g, slots=slots,
+                               width=width, rows=rows)
+    model = nnx.merge(graphdef, params)
+    state = jax.lax.while_loop(lambda st: _busy(prompts, st),
+                               lambda st: _constrain(_step(model, prompts, st, config, g), rows), state)
+    return _rollout(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
+
+
+def one_program(rungs: tuple, rows: int) -> bool:
+    """Whether a round of ``rows`` rows at the ladder ``rungs`` runs as one program (:func:`_round`): a slot per row
+    (nothing queues) and one rung (nothing moves), so no status needs reading before its end."""
+    return len(rungs) == 1 and rungs[0] >= rows
+
+
 def _placement(mesh, rows: int, slots: int | None):
     """(S, slot sharding or None, a function placing a host value replicated / on the default device)."""
     if mesh is None:
@@ -346,20 +402,32 @@ def _placement(mesh, rows: int, slots: int | None):
     return slot_count(rows, slots, int(mesh.devices.size)), mwra.row_sharding(mesh), lambda x: mwra.put(x, repl)
 
 
+class _Programs(NamedTuple):
+    """One sampler shape's programs: ``start`` the prefill at ``rungs[0]`` slots; ``chunks`` a chunk program per rung
+    (refilling its slots only at the first rung with a queue: fewer slots than rows); ``compacts`` the move from
+    each rung to the next; ``finish`` the Rollout from a state's outputs (`_rollout`); ``below``: {} until the
+    first call fills it with :func:`_compile_below`'s futures (and "warmed" once it has run every rung); ``whole``
+    the round as one program (:func:`_round`) where :func:`one_program` holds (else None)."""
+
+    start: Callable
+    chunks: tuple
+    compacts: tuple
+    finish: Callable
+    below: dict
+    whole: Optional[Callable]
+
+
 _PROGRAMS: dict = {}
 _COMPILER = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mrl-slot-rungs")
 
 
 def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows,
               queue: bool = True):
-    """(start, chunks, compacts, finish, below) of one sampler shape: the prefill at ``rungs[0]`` slots, a chunk
-    program per rung (refilling its slots only at the first rung with a ``queue``: fewer slots than rows), a
-    compaction from each rung to the next, and ``below``: {} until the first call fills it with
-    :func:`_compile_below`'s futures (and "warmed" once it has run every rung); jitted once per process (memoised)
-    and, on a mesh spanning processes, launched in lockstep by every process of the mesh
-    (`mrl_jax.mwra.lockstep`)."""
+    """:class:`_Programs` of one sampler shape, jitted once per process (memoised) and, on a mesh spanning processes,
+    launched in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
     key = (graphdef, config, g, rungs, width, chunk, admit, rows, queue)
-    if key not in _PROGRAMS:
+    found = _PROGRAMS.get(key)   # one lookup: hashing a GraphDef walks the model's graph (~0.1 ms)
+    if found is None:
         from mrl_jax.mwra import lockstep
 
         def start(params, ids, mask, k):
@@ -370,20 +438,22 @@ def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int
             with splash.on_mesh(None if rows is None else rows.mesh):
                 return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows, below=below)
 
-        def finish(tokens, logps, mask, ended, t, work):   # the Rollout, rows split as the round's rows are
-            counts = jnp.stack([t, tokens.shape[0] + work])   # decode steps, row-steps (step 0 of every row)
-            return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
-                           lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended), counts
-
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
                                                                                                jax.jit(f, **kw)))
         belows = tuple(s // _split(rows) for s in rungs[1:]) + (None,)
         admits = (admit_count(rungs[0], admit) if queue else 0,) + (0,) * (len(rungs) - 1)
-        _PROGRAMS[key] = (wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
-                                             for a, below in zip(admits, belows)),
-                          tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]),
-                          wrap(finish), {})
-    return _PROGRAMS[key]
+
+        def whole(params, ids, mask, k):
+            with splash.on_mesh(None if rows is None else rows.mesh):
+                return _round(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
+                              rows=rows)
+
+        _PROGRAMS[key] = _Programs(
+            wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
+                               for a, below in zip(admits, belows)),
+            tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]), wrap(_rollout), {},
+            None if queue or len(rungs) > 1 else wrap(whole))
+    return found or _PROGRAMS[key]
 
 
 def _abstract(tree, placed: bool | None = None):
@@ -446,22 +516,45 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size),
                   shrink)
     programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows, queue=s < b)
-    whole = len(sizes) == 1 and s >= b and config.max_new_tokens - 1 <= int(chunk)   # one chunk ends every row
-    gen = _drive_slots(programs, params, put(np.asarray(prompt_ids)), put(np.asarray(prompt_mask)), put(key), sizes,
-                       mesh, rows, whole)
+    args = (programs, params) + tuple(put((np.asarray(prompt_ids), np.asarray(prompt_mask), key))) + (sizes, mesh, rows)
+    if programs.whole is not None:
+        gen = _drive_round(*args, shared=shares_prompts(paged_layout(graphdef, params), s, p, g, _split(rows)))
+    else:
+        gen = _drive_slots(*args)
     next(gen)
     return gen
 
 
-def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows, whole: bool = False):
+def _slot_devices(rows) -> int:
+    """The devices a slot sharding ``rows`` (None: one device) places the slots on (1 where it replicates them)."""
+    return 1 if rows is None or rows.is_fully_replicated else len(rows.device_set)
+
+
+def _result(out, counts, slots: int, rows, spanning: bool, **stats):
+    """:func:`slot_rollout`'s value: on a mesh spanning processes (Rollout of the mesh's arrays, {"counts", "slots"});
+    else (Rollout of host arrays, stats)."""
+    if spanning:   # the mesh's arrays: every process reads them with trainer.placement.fetch
+        return out, {"counts": counts, "slots": slots}
+    out, (decode, row_steps) = jax.device_get((out, counts))
+    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "slots": slots,
+                 "slot_devices": _slot_devices(rows), **stats}
+
+
+def _drive_round(programs, params, ids, mask, key, rungs: tuple, mesh, rows, *, shared: bool):
+    """:func:`slot_rollout`'s body where the round is one program (:func:`one_program`): dispatched, then read."""
+    out, counts = programs.whole(params, ids, mask, key)
+    yield
+    return _result(out, counts, rungs[0], rows, jax.process_count() > 1 and mesh is not None, chunks=0, rungs=rungs,
+                   shared_prompts=shared, one_program=True)
+
+
+def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
     """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
     once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape
     compiles the rungs below the first in the background (:func:`_compile_below`, one process) and runs the rungs
-    it did not reach (no step: the round is done), so a later round compiles nothing. ``whole``: one chunk decodes
-    every row to its end (a slot per row, one rung, N - 1 steps at most in a chunk), so it runs without reading a
-    status. A process holding none of the mesh's devices runs no chunk (its outputs come from the mesh's
-    processes)."""
-    start, chunks_at, compacts, finish, below = programs
+    it did not reach (no step: the round is done), so a later round compiles nothing. A process holding none of the
+    mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
+    start, chunks_at, compacts, finish, below, _ = programs
     with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
         prompts, state, status = start(params, ids, mask, key)
     first, shared = not below.get("warmed"), bool(state.cache.group)
@@ -482,10 +575,7 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows, who
 
     chunks, rung = 0, 0
     blocks = _split(rows)   # the slots' blocks: one per device of the data axes
-    if here and whole:
-        state, status = chunks_at[rung](params, prompts, state)
-        chunks += 1
-    elif here and any(left(status)):
+    if here and any(left(status)):
         state, status = chunks_at[rung](params, prompts, state)
         chunks += 1
         while True:   # chunk k + 1 dispatched before chunk k's status is read: the device never waits for the host
@@ -505,14 +595,9 @@ def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows, who
             state, r = move(r, state)
             state, _ = chunks_at[r](params, prompts, state)
         below["warmed"] = True
-    shard = state.cache.qpos.sharding
-    split = 1 if shard.is_fully_replicated else len(shard.device_set)   # devices the slots are split over
     out, counts = finish(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
-    if spanning:   # the mesh's arrays: every process reads them with trainer.placement.fetch
-        return out, {"counts": counts, "slots": rungs[0]}
-    out, (decode, row_steps) = jax.device_get((out, counts))
-    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "chunks": chunks, "slots": rungs[0],
-                 "rungs": rungs[:rung + 1], "slot_devices": split, "shared_prompts": shared}
+    return _result(out, counts, rungs[0], rows, spanning, chunks=chunks, rungs=rungs[:rung + 1], shared_prompts=shared,
+                   one_program=False)
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:
@@ -546,7 +631,7 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
     (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of
     each decode step run), ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
     ``slot_devices``, ``shared_prompts`` (the first rung read each prompt's entries once for its G slots:
-    :func:`shares_prompts`).
+    :func:`shares_prompts`), ``one_program`` (the round ran as one program, :func:`one_program`: no chunk).
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,

@@ -10,6 +10,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -304,15 +305,35 @@ def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch)
     assert len(memory.rollout_slots.ladder(S, int(mesh.devices.size))) > 1
     fig = memory._slot_memory(pol, mesh, params, 4, 8, S)
     assert fig.peak - w == 300_000, fig
-    # a short round (6 new tokens, slot_ladder.SHORT) keeps S too: no move to plan for
+    # S below the rows (a queue): a short round (6 new tokens, slot_ladder.SHORT) keeps S, no move to plan
+    # for, and so does sampling.ladder false (S slots to the end): the chunk's figure decides
     short = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=6))
     figs = iter([chunk_fig])
-    assert memory._slot_memory(short, mesh, params, 4, 8, S).peak - w == 200_010
-    # sampling.ladder false: S slots to the end, no move to plan for (the chunk's figure decides)
+    assert memory._slot_memory(short, mesh, params, 4, 8, S // 2).peak - w == 200_010
     fixed = dataclasses.replace(pol, spec=dataclasses.replace(
         pol.spec, sampling=dataclasses.replace(pol.spec.sampling, ladder=False)))
     figs = iter([chunk_fig])
-    assert memory._slot_memory(fixed, mesh, params, 4, 8, S).peak - w == 200_010
+    assert memory._slot_memory(fixed, mesh, params, 4, 8, S // 2).peak - w == 200_010
+
+
+def test_a_one_program_rounds_figure_is_that_programs(planned):
+    """A slot per row and one rung (`rollout_slots.one_program`): the round is one program, so the plan's figure is
+    the memory of the very program the sampler runs (`_programs(...).whole`, compiled for the same inputs), not the
+    larger of a prefill and a chunk it never runs."""
+    run, _ = planned
+    pol, mesh = run.policies[0], run.placement.meshes[0]
+    params = run.state_template().policies[0].params
+    d = int(mesh.devices.size)
+    P, Tp, rows = 4 * d, 8, mwra.row_sharding(mesh)
+    S = P * pol.num_generations
+    programs = memory.rollout_slots._programs(pol.graphdef, pol.sampling, pol.num_generations, (S,), Tp,
+                                              memory.rollout_slots.CHUNK, None, rows, queue=False)
+    repl = NamedSharding(mesh, mwra.REPLICATED)
+    ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (np.int32, np.bool_))
+    mem = programs.whole.lower(params, ids, mask, memory._key(mesh)).compile().memory_analysis()
+    fig = memory._slot_memory(pol, mesh, params, P, Tp, S)
+    assert (fig.args, fig.out, fig.temp) == (mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                                             mem.temp_size_in_bytes), fig
 
 
 def test_sampler_figure_counts_the_kernels_of_both_programs(planned, monkeypatch):

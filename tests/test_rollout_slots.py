@@ -226,38 +226,50 @@ def test_one_decode_program_whatever_the_lengths(llama):
         generate_slots(g, p, wide_ids, wide_mask, jax.random.key(9), cfg, slots=3, width=8)
 
 
-def test_a_round_one_chunk_ends_runs_one_chunk(llama):
-    """A slot per row, one rung and N - 1 = 8 steps in a chunk of 8: every row ends in the first chunk, so the
-    sampler dispatches that one (no chunk ahead, no status read before it) and its tokens equal the static
-    sampler's, rows ending at step 0 included."""
+@pytest.mark.parametrize("n,shrink", [(9, True), (40, False)])
+def test_a_round_with_a_slot_per_row_and_one_rung_is_one_program(llama, n, shrink):
+    """A slot per row and one rung (a round of <= SHORT new tokens; a longer one without the ladder, over five chunks
+    of 8): nothing queues or moves, so the round is one program -- no prefill, chunk or outputs program called, no
+    status read -- and its tokens equal the static sampler's, rows ending at step 0 included. Fewer slots than rows
+    (a queue) are not."""
     from mrl_jax import rollout_slots
 
     g, p, ids, mask = llama
-    cfg = SamplingConfig(max_new_tokens=9, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
+    cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
     key = jax.random.key(4)
-    generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8)   # its programs, memoised
+    generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8, shrink=shrink)   # its programs, memoised
     (name,) = [k for k in rollout_slots._PROGRAMS if k[0] is g and k[1] == cfg and k[5] == 8]
-    start, chunks, compacts, finish, below = programs = rollout_slots._PROGRAMS[name]
+    programs = rollout_slots._PROGRAMS[name]
+    assert programs.whole is not None
     calls = []
 
-    def counted(f):
+    def counted(tag, f):
         def call(*a, **kw):
-            calls.append(1)
+            calls.append(tag)
             return f(*a, **kw)
         return call
 
-    rollout_slots._PROGRAMS[name] = (start, tuple(counted(c) for c in chunks), compacts, finish, below)
+    rollout_slots._PROGRAMS[name] = programs._replace(
+        start=counted("start", programs.start), chunks=tuple(counted("chunk", c) for c in programs.chunks),
+        finish=counted("finish", programs.finish), whole=counted("whole", programs.whole))
     try:
-        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8)
+        out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, chunk=8, shrink=shrink)
     finally:
         rollout_slots._PROGRAMS[name] = programs
-    _assert_same(out, jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4)))
-    assert len(calls) == 1 and stats["rungs"] == (12,) and stats["chunks"] == 1, (calls, stats)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=4))
+    _assert_same(out, ref)
+    assert (ref.lengths == 1).any() and not ref.truncated.all()   # rows ending at step 0 and before N
+    assert calls == ["whole"] and stats["rungs"] == (12,) and stats["chunks"] == 0 and stats["one_program"], (
+        calls, stats)
+    assert stats["decode_steps"] == ref.lengths.max() - 1 and stats["row_steps"] == 12 * ref.lengths.max()
+    _, queued = generate_slots(g, p, ids, mask, key, cfg, num_samples=4, slots=5, chunk=8, shrink=shrink)
+    assert not queued["one_program"] and queued["chunks"] >= 1
 
 
 def test_a_free_slot_attends_over_one_entry(llama):
     """Once the queue is empty, a slot left free runs its step at position 0 (length 1: the TPU kernel reads one
-    page of it, not the length of the row that left it); a live slot at its row's position. One step per call."""
+    page of it, not the length of the row that left it); a live slot at its row's position. One step per call; the
+    positions a step runs at are those the state carries into it (set by the step before, or the admit)."""
     from mrl_jax.rollout_slots import _chunk, _start
 
     g, p, ids, mask = llama
@@ -266,8 +278,8 @@ def test_a_free_slot_attends_over_one_entry(llama):
     plen, idle = np.asarray(mask).sum(-1), 0
     while np.asarray(status).any():
         row, step, drained = np.asarray(st.row), np.asarray(st.step), int(st.ptr) == int(prompts.count)
-        st, status = _chunk(g, p, prompts, st, cfg, 4, 1, 2)
         qpos = np.asarray(st.cache.qpos)
+        st, status = _chunk(g, p, prompts, st, cfg, 4, 1, 2)
         if drained:   # nothing admitted at this step: the slots free before it stayed free through it
             idle += int((row < 0).sum())
             np.testing.assert_array_equal(qpos[row < 0], 0)

@@ -115,14 +115,16 @@ def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
     np.testing.assert_allclose(stored, keys, atol=1e-6)
 
 
+@pytest.mark.parametrize("at", [0, 4, 19])
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, 5.0)])
-def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(window, softcap):
+def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(window, softcap, at):
     """P 2 prompts x G 3 slots sharing the prompt store (prompt 1 shorter than the store: its last entries are
-    junk a slot must not see), generated entries in three parts (spans(20, 4)), slots at generated entries 0, a
-    part's end and the last one, one slot free: each live slot's step equals the reference over its own copy of its
-    prompt then its generated entries (sliding window and soft-cap crossing the prompt's end); the free slot writes
-    nothing. ``take`` moves 3 of the slots (and an empty one) out unshared: each one's prompt in front of its
-    generated entries, and the same step over them gives the same output."""
+    junk a slot must not see), generated entries in three parts (spans(20, 4)), the live slots at generated entry
+    ``at`` (the first, a part's end, the last: shared prompts keep every live slot at one entry), one slot free:
+    each live slot's step writes its entry and equals the reference over its own copy of its prompt then its
+    generated entries (sliding window and soft-cap crossing the prompt's end). ``take`` moves 3 of the slots (and
+    an empty one) out unshared: each one's prompt in front of its generated entries, and the same step over them
+    gives the same output."""
     from mrl_jax.models.slot_cache import spans
 
     rng = np.random.default_rng(3)
@@ -139,7 +141,7 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     for e in range(n):   # every slot writes its generated entry e at position plen + e
         cache = cache.replace(qpos=jnp.asarray(base + e, jnp.int32)).write(
             0, jnp.asarray(gen_k[:, e:e + 1], jnp.float32), jnp.asarray(gen_v[:, e:e + 1], jnp.float32))
-    at = np.array([0, 4, 19, 9, 2, -1])   # slot 5 free: it steps at position 0, entry -plen
+    at = np.array([at] * (S - 1) + [-1])   # slot 5 free: it steps at position 0, entry -plen
     qpos = np.where(at >= 0, base + at, 0)
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     live = at >= 0
@@ -156,12 +158,12 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
             *args, c)
 
     cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
-    assert int(cache.step_masks(None).span) == 2   # a slot at the last entry: every part
+    assert int(cache.step_masks(None).span) == int(np.searchsorted([5, 10, 20], at.max(), side="right"))
     out, cache = step(cache)
     ref = _reference(q[:, 0], full_k, full_v, qpos, 0.3, softcap, window)
     np.testing.assert_allclose(np.asarray(out)[live, 0], ref[live], atol=1e-5)
     stored = np.concatenate([np.asarray(x) for x in cache.k[0]], -1).transpose(0, 3, 1, 2)   # [S, n, K, D]
-    np.testing.assert_allclose(stored, gen_k, atol=1e-6)   # the free slot's entries untouched
+    np.testing.assert_allclose(stored[live], gen_k[live], atol=1e-6)   # each live slot's entry, no other column
 
     keep = np.array([1, 4, 2, S])   # S: an empty slot
     moved = cache.take(jnp.asarray(keep[None], jnp.int32))

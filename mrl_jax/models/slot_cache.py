@@ -14,8 +14,9 @@ to keep. Two layouts, per layer:
   ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads short spans, as the
   static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a sliced operand
   before a matmul: a slice per step cost more than the entries it saved). **Shared prompts** (``group`` G > 0: a
-  slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G)): the parts hold the
-  generated entries only, and the step reads each prompt's entries from the sampler's prompt store (keys
+  slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G), every live slot at
+  the same entry: all enter at step 1 and none refills): the parts hold the generated entries only, a step writes
+  one column of every slot (a dynamic-update-slice, as the static sampler's), and the step reads each prompt's entries from the sampler's prompt store (keys
   [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` / ``pv``) once for its G slots (one
   [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts' softmax by the maxes, as the static
   sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front of its first part, the layout of
@@ -64,7 +65,8 @@ def spans(length: int, smallest: int = SPAN) -> tuple[int, ...]:
 class SlotMask:
     """A decode step's mask over a SlotCache: visible bool[S, C] over each slot's columns (a prompt column c seen
     below its prompt's length, a generated entry up to the slot's own; both within the sliding window); prompt
-    bool[S, Tc], the shared prompt store's entries each slot sees (shared prompts; else None); span int32: how many
+    (shared prompts; else None) the prompt store's entries seen: bool[P, Tc], those below each prompt's length (a
+    live slot's position is past them), or with a sliding window bool[P, G, Tc], per slot; span int32: how many
     parts the step reads, less one (the first part end past every slot's column); window: the layer's sliding
     window (static; None: none)."""
 
@@ -81,7 +83,7 @@ class SlotCache:
     int32[S]: its row's prompt length (the position of generated entry 0; ``pages``: 0); pk, pv: the shared
     prompt store, L x [P, K, D, Tc] / [P, K, Tc, D], attached for a step or a move (else ()); paged: the ``pages``
     layout; width: the prompt columns leading the first part (``heads`` without shared prompts; else 0); group: G
-    slots per prompt sharing its entries (0: none)."""
+    slots per prompt sharing its entries, every live slot at one entry (0: none)."""
 
     k: tuple
     v: tuple
@@ -154,9 +156,11 @@ class SlotCache:
         if self.width:   # the prompt's columns lead the first part
             visible = jnp.where(c < self.width, seen(c, qpos) & (c < plen), visible)
         prompt = None
-        if self.group:   # the store's entry c is position c
-            t = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)[None, :]
-            prompt = seen(t, qpos) & (t < plen)
+        if self.group:   # the store's entry c is position c, below a live slot's position: per prompt but for a window
+            t = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)
+            prompt = t[None, :] < self.plen[::self.group, None]   # [P, Tc]: a prompt's G slots share its length
+            if window is not None:
+                prompt = prompt[:, None, :] & (t > self.qpos.reshape(-1, self.group)[:, :, None] - window)
         span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(self.entry) + self.width, dtype=jnp.int32)
         return SlotMask(visible=visible, span=span, prompt=prompt, window=window)
 
@@ -203,7 +207,7 @@ class SlotCache:
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at column ``width`` + :attr:`entry` of every slot, in layer
-        ``layer``."""
+        ``layer`` (shared prompts: the live slots' one entry, in every slot -- a free one's row has ended)."""
         dtype = jax.tree.leaves(self.k[layer])[0].dtype
         k, v = k[:, 0].astype(dtype), v[:, 0].astype(dtype)   # [S, K, D]
 
@@ -229,6 +233,9 @@ class SlotCache:
             return jax.vmap(one)
 
         entry = self.entry
+        if self.group:   # every live slot at one entry: one column of every slot, written in place
+            return self.replace(k=_set(self.k, layer, _put_column(self.k[layer], k[..., None], jnp.max(entry), 3)),
+                                v=_set(self.v, layer, _put_column(self.v[layer], v[:, :, None], jnp.max(entry), 2)))
         col = jnp.where(entry < 0, -1 - self.length, entry + self.width)
         starts = (0,) + self.ends[:-1]
         nk = tuple(put_part(2)(x, k, col - lo) for x, lo in zip(self.k[layer], starts))
@@ -244,6 +251,21 @@ class SlotCache:
         kv = pages if self.paged else rows
         return self.replace(k=jax.tree.map(lambda x: c(x, kv), self.k), v=jax.tree.map(lambda x: c(x, kv), self.v),
                             qpos=c(self.qpos, rows), plen=c(self.plen, rows))
+
+
+def _put_column(parts: tuple, new: jax.Array, col: jax.Array, axis: int) -> tuple:
+    """Column ``col`` (int32, of the parts laid end to end along ``axis``) of every slot set to ``new`` (the column's
+    shape): a dynamic-update-slice in the part holding it; the others, and a negative ``col`` (no live slot),
+    rewrite their own column at the clamped index."""
+    out, lo = [], 0
+    for x in parts:
+        w = x.shape[axis]
+        at = jnp.clip(col - lo, 0, w - 1)
+        here = (col >= lo) & (col < lo + w)
+        keep = jax.lax.dynamic_slice_in_dim(x, at, 1, axis)
+        out.append(jax.lax.dynamic_update_slice_in_dim(x, jnp.where(here, new.astype(x.dtype), keep), at, axis))
+        lo += w
+    return tuple(out)
 
 
 def take_blocks(x, local: jax.Array, axis: int, fill=0):
@@ -303,12 +325,14 @@ def _shared_prompts(q, cache: SlotCache, layer: int, seen, scale, softcap):
     pk, pv = cache.pk[layer].astype(q.dtype), cache.pv[layer].astype(q.dtype)
     P, G = pk.shape[0], cache.group
     qp = q.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
-    s = jnp.einsum("pkqd,pkdc->pkqc", qp, pk, preferred_element_type=jnp.float32).reshape(P, K, G, g, -1)
-    s = _scores(s, scale, softcap, seen.reshape(P, G, 1, -1).transpose(0, 2, 1, 3)[:, :, :, None, :])
+    s = jnp.einsum("pkqd,pkdc->pkqc", qp, pk, preferred_element_type=jnp.float32)   # [P, K, G * g, Tc]
+    # the mask [P, 1, 1 | G * g, Tc]; scores kept 4-D as the static sampler's (a [P, K, G, g, Tc] view made
+    # XLA:CPU's fused softmax 3.5x slower)
+    seen = seen[:, None, None, :] if seen.ndim == 2 else jnp.repeat(seen, g, axis=1)[:, None]
+    s = _scores(s, scale, softcap, seen)
     m = s.max(-1, keepdims=True)
     e = jnp.exp(s - m)
-    o = jnp.einsum("pkqc,pkcd->pkqd", e.reshape(P, K, G * g, -1).astype(q.dtype), pv,
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum("pkqc,pkcd->pkqd", e.astype(q.dtype), pv, preferred_element_type=jnp.float32)
 
     def rows(x):   # [P, K, G, g, .] -> [S, K, g, .]
         return x.reshape(P, K, G, g, -1).transpose(0, 2, 1, 3, 4).reshape(S, K, g, -1)

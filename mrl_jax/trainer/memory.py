@@ -3,10 +3,11 @@
 At start (before any warm start or round) `plan_memory` lowers every policy's pinned update and sampler on
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
-XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler (`mrl_jax.rollout_slots`, its start and
-chunk programs) at ``sampling.slots`` when set, else at every row when that fits, else at the largest S that does
-(the plan prints S; none fitting is one ``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the
-first round loads these programs instead of compiling them again.
+XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
+(`mrl_jax.rollout_slots`: its one program, or its start, chunk and move programs) at ``sampling.slots`` when set,
+else at every row when that fits, else at the largest S that does (the plan prints S; none fitting is one
+``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the first
+round loads these programs instead of compiling them again.
 
 When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;
 CPU reports none), so a CPU run without ``memory_gb`` compiles nothing extra. A plan that does not fit
@@ -107,14 +108,22 @@ def _update_inputs(run, pol, mesh, Tp: int):
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
-    """The slot sampler's figure at S slots: the larger-peak of its programs (start: prefill and token 0; chunk:
-    the decode steps; the move of the last rows to the ladder's next rung, both caches live), compiled on abstract
-    inputs, with the Pallas kernel calls; None where the backend reports none."""
+    """The slot sampler's figure at S slots, compiled on abstract inputs, with the Pallas kernel calls; None where
+    the backend reports none: the round's one program where it is one (`rollout_slots.one_program`: a slot per row,
+    one rung), else the larger-peak of its programs (start: prefill and token 0; chunk: the decode steps; the move
+    of the last rows to the ladder's next rung, both caches live)."""
     from mrl_jax.mwra import row_sharding
 
     G, cfg, rows = pol.num_generations, pol.sampling, row_sharding(mesh)
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
+    rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
+                                pol.spec.sampling.ladder)
+    if rollout_slots.one_program(rungs, P * G):
+        whole = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._round(pol.graphdef, p, i, m, k, cfg,
+                                                                              num_samples=G, slots=S, width=Tp,
+                                                                              rows=rows)))
+        return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
     start = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._start(pol.graphdef, p, i, m, k, cfg,
                                                                           num_samples=G, slots=S, width=Tp,
                                                                           rows=rows)))
@@ -129,8 +138,6 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
                                                                           rollout_slots.CHUNK, admit, rows=rows)),
                     donate_argnums=(2,))
     second = step_memory(chunk, params, prompts, state)
-    rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
-                                pol.spec.sampling.ladder)
     third = second if len(rungs) == 1 else step_memory(
         jax.jit(lambda pr, st: rollout_slots._compact(pr, st, slots=rungs[1], rows=rows)),
         prompts, state)
