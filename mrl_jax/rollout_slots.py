@@ -225,12 +225,11 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     st = st.replace(cache=cache, row=jnp.where(live & (hit | (i >= n - 1)), -1, st.row), step=st.step + 1, tok=tok,
                     t=st.t + 1, work=st.work + st.row.shape[0])
     if shared:
-        def put(x, new):   # the live rows' entries of column i, in place
-            old = jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
+        def put(x, new, fill):   # column i in place: the live rows' entries; the others' stay as the round began
             return jax.lax.dynamic_update_index_in_dim(
-                x, jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, old), i, 1)
-        st = st.replace(tokens=put(st.tokens, tok), logps=put(st.logps, jnp.stack([lp, slp], -1)),
-                        mask=put(st.mask, live), ended=jnp.where(live, hit, st.ended))
+                x, jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, fill).astype(x.dtype), i, 1)
+        st = st.replace(tokens=put(st.tokens, tok, config.pad_id), logps=put(st.logps, jnp.stack([lp, slp], -1), 0.0),
+                        mask=put(st.mask, live, False), ended=jnp.where(live, hit, st.ended))
     else:
         st = st.replace(tokens=st.tokens.at[out, i].set(tok, mode="drop"),
                         logps=st.logps.at[out, i].set(jnp.stack([lp, slp], -1), mode="drop"),
