@@ -16,11 +16,11 @@ to keep. Two layouts, per layer:
   before a matmul: a slice per step cost more than the entries it saved). **Shared prompts** (``group`` G > 0: a
   slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G), every live slot at
   the same entry: all enter at step 1 and none refills): the parts hold the generated entries only, a step writes
-  one column of every slot (a dynamic-update-slice, as the static sampler's), and the step reads each prompt's entries from the sampler's prompt store (keys
-  [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` / ``pv``) once for its G slots (one
-  [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts' softmax by the maxes, as the static
-  sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front of its first part, the layout of
-  the ladder's rungs below the first.
+  one column of every slot (a dynamic-update-slice, as the static sampler's), and it reads each prompt's entries
+  from the sampler's prompt store (keys [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` /
+  ``pv``) once for its G slots (one [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts'
+  softmax by the maxes, as the static sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front
+  of its first part, the layout of the ladder's rungs below the first.
 * ``pages`` (TPU): keys and values [K, S * C / PAGE, PAGE, D], C = Tc + N - 1, slot s owning pages
   [s * C / PAGE, (s + 1) * C / PAGE) in position order (plen is 0 to this layout: entry = position): the layout
   of JAX's Pallas TPU paged attention kernel (``jax.experimental.pallas.ops.tpu.paged_attention``), which the
@@ -234,8 +234,9 @@ class SlotCache:
 
         entry = self.entry
         if self.group:   # every live slot at one entry: one column of every slot, written in place
-            return self.replace(k=_set(self.k, layer, _put_column(self.k[layer], k[..., None], jnp.max(entry), 3)),
-                                v=_set(self.v, layer, _put_column(self.v[layer], v[:, :, None], jnp.max(entry), 2)))
+            at = jnp.max(entry)
+            return self.replace(k=_set(self.k, layer, _put_column(self.k[layer], k[..., None], at, 3)),
+                                v=_set(self.v, layer, _put_column(self.v[layer], v[:, :, None], at, 2)))
         col = jnp.where(entry < 0, -1 - self.length, entry + self.width)
         starts = (0,) + self.ends[:-1]
         nk = tuple(put_part(2)(x, k, col - lo) for x, lo in zip(self.k[layer], starts))
