@@ -47,9 +47,9 @@ CASES = {
 }
 LONGTAIL = {
     True: dict(batch=64, samples=8, prompt_len=16, new_tokens=128, hidden=64, layers=2, heads=4, kv_heads=2,
-               vocab=512, repeats=2, segment=8, rounds=3),
+               vocab=512, repeats=2, rounds=3),
     False: dict(batch=128, samples=8, prompt_len=32, new_tokens=512, hidden=96, layers=2, heads=4, kv_heads=2,
-                vocab=512, repeats=3, segment=8, rounds=4),
+                vocab=512, repeats=3, rounds=4),
 }
 # the slot sampler's S as a fraction of the rows: every row (the default), a quarter, a sixteenth
 SLOT_FRACTIONS = {"slots_all": 1, "slots_quarter": 4, "slots_16th": 16}
@@ -310,13 +310,11 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
         jax.clear_caches()
         for r, (key, static, row) in enumerate(zip(keys, statics, rows)):
             with CompileCounter() as cl:
-                out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=g, slots=slots,
-                                            chunk=s["segment"])
+                out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=g, slots=slots)
             if not (np.array_equal(out.tokens, static.tokens) and np.array_equal(out.mask, static.mask)):
                 raise AssertionError(f"longtail round {r}: {name}'s tokens differ from the static sampler's")
             row.update({f"{name}_row_steps": stats["row_steps"], f"{name}_compiles": cl.programs,
                         f"{name}_bound": min_row_steps(out.lengths, stats["slots"]),
-                        f"{name}_chunks": stats["chunks"],
                         f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
     ladders = {"default": ladder(b), **{k: geometric_ladder(b, *v) for k, v in LADDERS.items()}}
@@ -339,7 +337,7 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
 
     hf, ids, mask, graphdef, params, stops, cfg = _longtail_setup(s)
     b, n, g, tp = s["batch"], s["new_tokens"], s["samples"], ids.shape[1]
-    out = {"rows": b, "max_new_tokens": n, "stop_ids": len(stops), "segment": s["segment"],
+    out = {"rows": b, "max_new_tokens": n, "stop_ids": len(stops),
            **longtail_counts(s, graphdef, params, ids, mask, cfg)}
     first = out["rounds"][0]
     if not timed:
@@ -361,7 +359,7 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
         t = _timed({"static": lambda: jax.block_until_ready(generate(graphdef, params, jids, jmask, key, cfg,
                                                                       num_samples=g)),
                     **{name: functools.partial(generate_slots, graphdef, params, ids, mask, key, cfg, num_samples=g,
-                                               slots=slots, chunk=s["segment"])
+                                               slots=slots)
                        for name, slots in out["slots"].items()},
                     "hf": hf_fn}, s["repeats"])
     out.update({

@@ -4,25 +4,20 @@ rows enter as slots free.
     out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=G, slots=S)   # Rollout [P*G, N]
     stats["row_steps"] / out.lengths.sum()   # decode row-steps computed per token kept
 
-How it works:
+How it works -- a round is ONE program (:func:`_round`, compiled once per sampler shape; nothing is read on the
+host before the outputs, so no later round compiles, whatever its lengths):
 
-* ``_start`` (one program per prompt shape): the P prompts are prefilled ONCE (the prompt store: each prompt's
-  keys/values, heads-major), every row's token 0 is sampled from its prompt's last logits, and the rows that
-  still need decoding (token 0 not a stop id, N > 1) queue up in row order; the first S of them enter the slots.
-* ``_chunk`` (ONE program for a given (S, prompt width, N)): up to ``chunk`` decode steps over all S slots in a
-  ``lax.while_loop``. Each slot has its own row id, step index and position; a slot whose row ends (stop id or
-  step N - 1) is refilled from the queue at the next step, on device (at most ``admit`` rows per step), so no
-  row-step waits for the host. The host reads one status per chunk (rows in the slots, rows queued), the next
-  chunk already dispatched; nothing else crosses to the host until the outputs.
-* the ladder (:func:`ladder`, the ``heads`` cache layout): once the queue is empty and the rows left fit the next
-  rung (128 slots: 96, 64, 48, 32, 16, 8), ``_compact`` moves them (and their cache entries) into that many slots
-  and the round goes on with that rung's chunk program: a long tail of lengths decodes in few slots, as the live
-  sampler's compaction did, at a fixed set of programs (a chunk per rung, a move per step down). The first call
-  of a shape compiles them all, reached or not, so no later round compiles: the rungs below the first on threads
-  while the first decodes (:func:`_compile_below`). A chunk stops at the step its rows fit the next rung, so no
-  step runs at a rung the rows have left, and only the first rung's chunk refills slots (and only with fewer slots
-  than rows): below it the queue is empty. The ``pages`` layout (TPU) keeps S: there a free slot reads one page
-  (:func:`paged_layout`).
+* ``_start``: the P prompts are prefilled ONCE (the prompt store: each prompt's keys/values, heads-major), every
+  row's token 0 is sampled from its prompt's last logits, and the rows that still need decoding (token 0 not a stop
+  id, N > 1) queue up in row order; the first S of them enter the slots.
+* ``_decode``: decode steps over all S slots in a ``lax.while_loop``. Each slot has its own row id, step index and
+  position; a slot whose row ends (stop id or step N - 1) is refilled from the queue at the next step (at most
+  ``admit`` rows per step; only with fewer slots than rows: otherwise nothing can queue).
+* the ladder (:func:`ladder`, the ``heads`` cache layout): the first rung's loop stops at the step the queue is
+  empty and the rows left fit the next rung (128 slots: 96, 64, 48, 32, 16, 8); ``_compact`` moves them (and their
+  cache entries) into that many slots and the next rung's loop goes on: a long tail of lengths decodes in few
+  slots, as the live sampler's compaction did, at fixed shapes. A round whose rows end before a rung runs no step
+  there. The ``pages`` layout (TPU) keeps S: there a free slot reads one page (:func:`paged_layout`).
 * the cache (:class:`mrl_jax.models.SlotCache`) holds each slot's prompt (Tc entries, left-aligned as in the
   prompt store: copied in when a row is admitted) and its N - 1 generated entries; each decode step writes its
   token's key / value at its generated entry and attends over its prompt and generated entries up to its position
@@ -34,10 +29,6 @@ How it works:
   entries once for its G slots from the prompt store, in one softmax with the slots' own entries (the static
   sampler's block-merged softmax), and the move to the ladder's second rung puts each kept row's prompt (from
   the store) in front of its first part, the layout of the rungs below.
-* one program (:func:`one_program`: a slot per row and one rung -- every round at the default S of at most
-  ``slot_ladder.SHORT`` new tokens, the ``pages`` layout's every round at S = P * G): nothing queues and nothing
-  moves, so the host has nothing to decide and the round is one program (:func:`_round`: the prefill, the steps to
-  the last row's end, the outputs), as the static sampler's is, with no status read and no chunk.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
   key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
 
@@ -52,19 +43,15 @@ there needs a gathered read per step on the pure-JAX path, or shared pages whose
 
 With ``mesh`` the slots (S rounded up to a multiple of the mesh's size) are split over its devices (the prompt
 store and outputs placed by XLA); every host <-> device transfer is explicit (``jax.transfer_guard("disallow")``).
-Several processes (``jax.distributed``): the host loop depends on one status per chunk (rows in the slots, rows
-queued), a replicated output every device of the mesh holds, so every process of the mesh reads the same status
-from its own shard and makes the same calls (the same chunks, moves and rungs); each program is launched in
-lockstep (`mrl_jax.mwra.lockstep`). A process outside the mesh runs no chunk; the outputs stay the mesh's arrays
-and every process reads them with ``trainer.placement.fetch``.
+Several processes (``jax.distributed``): the round's program is launched in lockstep by every process of the mesh
+(`mrl_jax.mwra.lockstep`); nothing is read on the host before the end, so no process decides anything alone. The
+outputs stay the mesh's arrays and every process reads them with ``trainer.placement.fetch``.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +65,10 @@ from mrl_jax.sampling import sample_rows
 from mrl_jax.slot_ladder import (ladder, ladder_row_steps, min_row_steps, paged_layout, rungs,  # noqa: F401
                                   slot_count)
 
-__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "trace_count", "slot_count", "min_row_steps",
-           "ladder_row_steps", "ladder", "rungs", "paged_layout"]
+__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "round_program", "trace_count", "slot_count",
+           "min_row_steps", "ladder_row_steps", "ladder", "rungs", "paged_layout"]
 
 _TRACES = 0
-CHUNK = 32   # decode steps per chunk program call (one host read each)
 
 
 def admit_count(slots: int, admit: int | None = None) -> int:
@@ -91,7 +77,7 @@ def admit_count(slots: int, admit: int | None = None) -> int:
 
 
 def trace_count() -> int:
-    """How many times the slot sampler's programs (start or chunk) have been traced in this process."""
+    """How many times the slot sampler's round program (:func:`_round`) has been traced in this process."""
     return _TRACES
 
 
@@ -157,14 +143,6 @@ def _prompt_split(rows, p: int):
 
 def _busy(p: _Prompts, st: _State):
     return jnp.any(st.row >= 0) | (st.ptr < p.count)
-
-
-def _status(p: _Prompts, st: _State, d: int):
-    """int32[3]: rows in the slots, rows still queued (both 0: the round is done), the most rows in one of the d
-    devices' blocks of slots (what a move down the ladder must fit in each block)."""
-    live = st.row >= 0
-    return jnp.stack([jnp.sum(live, dtype=jnp.int32), p.count - st.ptr,
-                      jnp.max(jnp.sum(live.reshape(d, -1), 1, dtype=jnp.int32))])
 
 
 def _fits(p: _Prompts, st: _State, d: int, below: int | None):
@@ -260,10 +238,7 @@ def _prefill(model, prompt_ids, prompt_mask, width: int):
 @functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
 def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, slots: int,
            width: int, rows=None):
-    """Prefill, token 0 of every row, the queue, the first S rows admitted. Returns (_Prompts, _State, status
-    int32[2]: see `_status`)."""
-    global _TRACES
-    _TRACES += 1
+    """Prefill, token 0 of every row, the queue, the first S rows admitted. Returns (_Prompts, _State)."""
     model = nnx.merge(graphdef, params)
     p, tp = prompt_ids.shape
     g, n = num_samples, config.max_new_tokens
@@ -301,8 +276,7 @@ def _start(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
         state = _positions(prompts, seated, g)
     else:
         state = _admit(prompts, state, slots, g)
-    state = _constrain(state, rows)
-    return prompts, state, _status(prompts, state, _split(rows))
+    return prompts, _constrain(state, rows)
 
 
 def shares_prompts(paged: bool, slots: int, prompts: int, g: int, devices: int = 1) -> bool:
@@ -312,39 +286,28 @@ def shares_prompts(paged: bool, slots: int, prompts: int, g: int, devices: int =
     return not paged and g > 1 and slots == prompts * g and prompts % devices == 0
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("rows", "below"), donate_argnums=(3,))
-def _chunk(graphdef, params, prompts: _Prompts, state: _State, config: SamplingConfig, num_samples: int, chunk: int,
-           admit: int, *, rows=None, below: int | None = None):
-    """Up to ``chunk`` decode steps of every slot, free slots refilled (<= ``admit`` rows a step; 0: no queue to
-    refill from, as below the first rung or with a slot per row) before each step; stops early when no row is left
-    or when the rows fit ``below`` slots per device block with the queue empty (`_fits`: not one step more at this
-    rung before the host moves them). Returns (_State, status int32[3]: see `_status`)."""
-    global _TRACES
-    _TRACES += 1
-    model = nnx.merge(graphdef, params)
-    g = num_samples
+def _advance(model, p: _Prompts, st: _State, config: SamplingConfig, g: int, admit: int, rows) -> _State:
+    """One decode step of every slot, free slots refilled first (<= ``admit`` rows; 0: no queue to refill from, as
+    with a slot per row and below the first rung)."""
+    if admit:
+        refill = jnp.any(st.row < 0) & (st.ptr < p.count)
+        st = jax.lax.cond(refill, lambda s: _admit(p, s, admit, g), lambda s: s, st)
+    return _constrain(_step(model, p, st, config, g), rows)
 
-    def body(carry):
-        k, st = carry
-        if admit:
-            refill = jnp.any(st.row < 0) & (st.ptr < prompts.count)
-            st = jax.lax.cond(refill, lambda s: _admit(prompts, s, admit, g), lambda s: s, st)
-        return k + 1, _constrain(_step(model, prompts, st, config, g), rows)
 
+def _decode(model, p: _Prompts, st: _State, config: SamplingConfig, g: int, admit: int, rows,
+            below: int | None) -> _State:
+    """Decode steps (:func:`_advance`) while a row is left, stopping at the step the rows fit ``below`` slots per
+    device block with the queue empty (`_fits`: not one step more at this rung before they move)."""
     d = _split(rows)
-    _, state = jax.lax.while_loop(
-        lambda cs: (cs[0] < chunk) & _busy(prompts, cs[1]) & ~_fits(prompts, cs[1], d, below), body,
-        (jnp.zeros((), jnp.int32), state))
-    return state, _status(prompts, state, d)
+    return jax.lax.while_loop(lambda s: _busy(p, s) & ~_fits(p, s, d, below),
+                              lambda s: _advance(model, p, s, config, g, admit, rows), st)
 
 
-@functools.partial(jax.jit, static_argnames=("slots", "rows"))
 def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None) -> _State:
     """The rows in ``state``'s slots moved into ``slots`` slots with their cache entries (shared prompts: each
     one's prompt block from ``prompts``' store), within each device's block of slots (at most ``slots`` / d rows in
     each of the d blocks, the queue empty: nothing crosses devices); the outputs unchanged."""
-    global _TRACES
-    _TRACES += 1
     d, s = _split(rows), state.row.shape[0]
     local = jax.vmap(lambda r: jnp.nonzero(r >= 0, size=slots // d, fill_value=s // d)[0])(state.row.reshape(d, -1))
 
@@ -357,36 +320,31 @@ def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None) -> _Sta
                                     tok=take(state.tok)), rows)
 
 
-def _rollout(tokens, logps, mask, ended, t, work):
-    """The round's Rollout from the state's outputs, and counts int32[2]: decode steps, row-steps (step 0 of every
-    row + the slots of each decode step run)."""
-    counts = jnp.stack([t, tokens.shape[0] + work])
-    return Rollout(tokens=tokens, logprobs=logps[..., 0], sampling_logprobs=logps[..., 1], mask=mask,
-                   lengths=mask.sum(-1, dtype=jnp.int32), truncated=~ended), counts
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "slots", "width", "rows"))
-def _round(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, slots: int,
-           width: int, rows=None):
-    """A whole round as one program where the host has nothing to decide (:func:`one_program`: a slot per row, one
-    rung -- no queue to refill from, no move): the prefill, decode steps until every row has ended, the outputs.
-    The static sampler's shape of program, with the slot sampler's step. Returns (Rollout [P * G, N], counts: see
-    `_rollout`)."""
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("num_samples", "rungs", "width", "admit", "rows"))
+def _round(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int, rungs: tuple,
+           width: int, admit: int = 0, rows=None):
+    """The round, one program: the prefill (`_start`, the first ``rungs[0]`` rows admitted), decode steps at each
+    rung of the ladder ``rungs`` until the rows fit the next (`_decode`; ``admit`` rows refilled per step at the
+    first rung, 0 where no row can queue), the move there (`_compact`), and the outputs. Nothing is decided on the
+    host, so nothing is read before the end. Returns (Rollout [P * G, N], counts int32[3]: decode steps, row-steps
+    (step 0 of every row + the slots of each decode step run), the deepest rung reached)."""
     global _TRACES
     _TRACES += 1
-    g = num_samples
-    prompts, state, _ = _start(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=g, slots=slots,
-                               width=width, rows=rows)
+    g, d = num_samples, _split(rows)
+    prompts, state = _start(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=g, slots=rungs[0],
+                            width=width, rows=rows)
     model = nnx.merge(graphdef, params)
-    state = jax.lax.while_loop(lambda st: _busy(prompts, st),
-                               lambda st: _constrain(_step(model, prompts, st, config, g), rows), state)
-    return _rollout(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
-
-
-def one_program(rungs: tuple, rows: int) -> bool:
-    """Whether a round of ``rows`` rows at the ladder ``rungs`` runs as one program (:func:`_round`): a slot per row
-    (nothing queues) and one rung (nothing moves), so no status needs reading before its end."""
-    return len(rungs) == 1 and rungs[0] >= rows
+    reached = jnp.zeros((), jnp.int32)
+    for r in range(len(rungs)):
+        below = rungs[r + 1] if r + 1 < len(rungs) else None
+        state = _decode(model, prompts, state, config, g, admit if r == 0 else 0, rows,
+                        None if below is None else below // d)
+        if below is not None:   # rows left move down; none left: the rungs below run no step
+            reached = jnp.where(_busy(prompts, state), r + 1, reached)
+            state = _compact(prompts, state, slots=below, rows=rows)
+    return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
+                   mask=state.mask, lengths=state.mask.sum(-1, dtype=jnp.int32),
+                   truncated=~state.ended), jnp.stack([state.t, state.tokens.shape[0] + state.work, reached])
 
 
 def _placement(mesh, rows: int, slots: int | None):
@@ -401,127 +359,58 @@ def _placement(mesh, rows: int, slots: int | None):
     return slot_count(rows, slots, int(mesh.devices.size)), mwra.row_sharding(mesh), lambda x: mwra.put(x, repl)
 
 
-class _Programs(NamedTuple):
-    """One sampler shape's programs: ``start`` the prefill at ``rungs[0]`` slots; ``chunks`` a chunk program per rung
-    (refilling its slots only at the first rung with a queue: fewer slots than rows); ``compacts`` the move from
-    each rung to the next; ``finish`` the Rollout from a state's outputs (`_rollout`); ``below``: {} until the
-    first call fills it with :func:`_compile_below`'s futures (and "warmed" once it has run every rung); ``whole``
-    the round as one program (:func:`_round`) where :func:`one_program` holds (else None)."""
+def round_program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, admit: int, rows) -> Callable:
+    """The round's program (:func:`_round`) of one sampler shape, jitted, with the TPU kernels placed on the slots'
+    mesh: ``(params, ids int32[P, width], mask bool[P, width], key) -> (Rollout, counts)``. What the sampler runs
+    (memoised by :func:`_program`) and what the memory plan compiles for its figure."""
+    mesh = None if rows is None else rows.mesh
 
-    start: Callable
-    chunks: tuple
-    compacts: tuple
-    finish: Callable
-    below: dict
-    whole: Optional[Callable]
+    def whole(params, ids, mask, k):
+        with splash.on_mesh(mesh):
+            return _round(graphdef, params, ids, mask, k, config, num_samples=g, rungs=rungs, width=width, admit=admit,
+                          rows=rows)
+    return jax.jit(whole)
 
 
 _PROGRAMS: dict = {}
-_COMPILER = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mrl-slot-rungs")
 
 
-def _programs(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, chunk: int, admit, rows,
-              queue: bool = True):
-    """:class:`_Programs` of one sampler shape, jitted once per process (memoised) and, on a mesh spanning processes,
-    launched in lockstep by every process of the mesh (`mrl_jax.mwra.lockstep`)."""
-    key = (graphdef, config, g, rungs, width, chunk, admit, rows, queue)
-    found = _PROGRAMS.get(key)   # one lookup: hashing a GraphDef walks the model's graph (~0.1 ms)
+def _program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, admit: int, rows) -> Callable:
+    """:func:`round_program` once per process and sampler shape (one dict lookup: hashing a GraphDef walks the
+    model's graph), launched in lockstep by every process of a mesh spanning processes (`mrl_jax.mwra.lockstep`)."""
+    key = (graphdef, config, g, rungs, width, admit, rows)
+    found = _PROGRAMS.get(key)
     if found is None:
         from mrl_jax.mwra import lockstep
 
-        def start(params, ids, mask, k):
-            return _start(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
-                          rows=rows)
-
-        def step(a, below, params, prompts, state):   # the decode's TPU kernel, placed on the mesh
-            with splash.on_mesh(None if rows is None else rows.mesh):
-                return _chunk(graphdef, params, prompts, state, config, g, chunk, a, rows=rows, below=below)
-
-        wrap = (lambda f, **kw: jax.jit(f, **kw)) if rows is None else (lambda f, **kw: lockstep(rows.mesh,
-                                                                                               jax.jit(f, **kw)))
-        belows = tuple(s // _split(rows) for s in rungs[1:]) + (None,)
-        admits = (admit_count(rungs[0], admit) if queue else 0,) + (0,) * (len(rungs) - 1)
-
-        def whole(params, ids, mask, k):
-            with splash.on_mesh(None if rows is None else rows.mesh):
-                return _round(graphdef, params, ids, mask, k, config, num_samples=g, slots=rungs[0], width=width,
-                              rows=rows)
-
-        _PROGRAMS[key] = _Programs(
-            wrap(start), tuple(wrap(functools.partial(step, a, below), donate_argnums=(2,))
-                               for a, below in zip(admits, belows)),
-            tuple(wrap(functools.partial(_compact, slots=s, rows=rows)) for s in rungs[1:]), wrap(_rollout), {},
-            None if queue or len(rungs) > 1 else wrap(whole))
-    return found or _PROGRAMS[key]
-
-
-def _abstract(tree, placed: bool | None = None):
-    """``tree``'s arrays as ShapeDtypeStructs, with their shardings where ``placed`` (None: where an array is
-    committed to its devices): what a program is compiled for -- an uncommitted array's program (one device, no
-    mesh) is JAX's default placement's, and a program compiled for a sharding is not found by the later call."""
-    def one(x):
-        keep = getattr(x, "committed", True) if placed is None else placed
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if keep else None)
-    return jax.tree.map(one, tree)
-
-
-def _compile_below(chunks_at, compacts, params, prompts, state) -> list[Future]:
-    """A future per rung below the first: the move into it and its chunk program compiled on a thread pool
-    (XLA's compile leaves the GIL; the moves chained, each rung's state shaped by the move into it) while the
-    first rung decodes, so a ladder of R rungs costs the first call about one compile, not R, where cores are
-    free. ``chunks_at`` / ``compacts``: jitted functions (`jax.jit`'s ``lower``); the driver waits for a rung's
-    future before calling into it, and its later call finds the programs in JAX's cache."""
-    placed = bool(jax.tree.leaves(state)[0].committed)   # the moves' outputs are placed as their inputs are
-    params, prompts = _abstract(params), _abstract(prompts)
-    done = [Future() for _ in compacts]
-
-    def rung(r, state):   # r >= 1: the move from rung r - 1, then rung r's chunk
-        try:
-            state = _abstract(compacts[r - 1].lower(prompts, state).compile().out_info, placed)
-        except BaseException as e:   # no state for this rung or any below it
-            for f in done[r - 1:]:
-                f.set_exception(e)
-            return
-        if r < len(compacts):
-            _COMPILER.submit(rung, r + 1, state)
-        try:
-            chunks_at[r].lower(params, prompts, state).compile()
-            done[r - 1].set_result(r)
-        except BaseException as e:
-            done[r - 1].set_exception(e)
-
-    if compacts:
-        _COMPILER.submit(rung, 1, _abstract(state))
-    return done
+        found = round_program(*key)
+        found = _PROGRAMS[key] = found if rows is None else lockstep(rows.mesh, found)
+    return found
 
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                 slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
-                 mesh=None, shrink: bool = True):
-    """:func:`generate_slots` as a generator, its prefill already dispatched: it yields after dispatching each
-    program (before reading its flag), so :func:`drive` can interleave several policies' samplers; its return value
-    is (Rollout of host arrays, stats). On a mesh spanning processes every process of the mesh runs the same
-    chunks (the flag is the same everywhere) and the value is (Rollout of the mesh's arrays, {"counts": the mesh's
-    int32[2] (decode steps, row-steps), "slots": S}): read the arrays with ``trainer.placement.fetch`` on every
-    process, in the same order."""
-    if int(chunk) < 1:
-        raise ValueError(f"generate_slots: chunk must be >= 1, got {chunk}")
-    p, tp = np.shape(prompt_ids)
+                 slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
+                 shrink: bool = True):
+    """:func:`generate_slots`'s round dispatched (not awaited) and a generator that reads it: :func:`drive` reads
+    several policies' rounds once all are dispatched; its return value is (Rollout of host arrays, stats). On a
+    mesh spanning processes every process of the mesh runs the same program and the value is (Rollout of the
+    mesh's arrays, {"counts": the mesh's int32[3] (see :func:`_round`), "slots": S}): read the arrays with
+    ``trainer.placement.fetch`` on every process, in the same order."""
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    p, tp = ids.shape
     b, g = p * int(num_samples), int(num_samples)
     s, rows, put = _placement(mesh, b, slots)
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size),
-                  shrink)
-    programs = _programs(graphdef, config, g, sizes, width, int(chunk), admit, rows, queue=s < b)
-    args = (programs, params) + tuple(put((np.asarray(prompt_ids), np.asarray(prompt_mask), key))) + (sizes, mesh, rows)
-    if programs.whole is not None:
-        gen = _drive_round(*args, shared=shares_prompts(paged_layout(graphdef, params), s, p, g, _split(rows)))
-    else:
-        gen = _drive_slots(*args)
-    next(gen)
-    return gen
+    if width > tp:   # left-padded to the slots' width: one program whatever the round's prompt bucket
+        ids, mask = (np.pad(x, ((0, 0), (width - tp, 0))) for x in (ids, mask))
+    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size), shrink)
+    program = _program(graphdef, config, g, sizes, width, admit_count(s, admit) if s < b else 0, rows)
+    out, counts = program(params, *put((ids, mask, key)))
+    spanning = jax.process_count() > 1 and mesh is not None
+    return _read(out, counts, sizes, rows, spanning,
+                 shares_prompts(paged_layout(graphdef, params), s, p, g, _split(rows)))
 
 
 def _slot_devices(rows) -> int:
@@ -529,79 +418,20 @@ def _slot_devices(rows) -> int:
     return 1 if rows is None or rows.is_fully_replicated else len(rows.device_set)
 
 
-def _result(out, counts, slots: int, rows, spanning: bool, **stats):
-    """:func:`slot_rollout`'s value: on a mesh spanning processes (Rollout of the mesh's arrays, {"counts", "slots"});
-    else (Rollout of host arrays, stats)."""
+def _read(out, counts, sizes: tuple, rows, spanning: bool, shared: bool):
+    """:func:`slot_rollout`'s reader: on a mesh spanning processes (Rollout of the mesh's arrays, {"counts",
+    "slots"}); else (Rollout of host arrays, stats)."""
+    yield from ()   # a generator: `drive` reads it once every sampler is dispatched
     if spanning:   # the mesh's arrays: every process reads them with trainer.placement.fetch
-        return out, {"counts": counts, "slots": slots}
-    out, (decode, row_steps) = jax.device_get((out, counts))
-    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "slots": slots,
-                 "slot_devices": _slot_devices(rows), **stats}
-
-
-def _drive_round(programs, params, ids, mask, key, rungs: tuple, mesh, rows, *, shared: bool):
-    """:func:`slot_rollout`'s body where the round is one program (:func:`one_program`): dispatched, then read."""
-    out, counts = programs.whole(params, ids, mask, key)
-    yield
-    return _result(out, counts, rungs[0], rows, jax.process_count() > 1 and mesh is not None, chunks=0, rungs=rungs,
-                   shared_prompts=shared, one_program=True)
-
-
-def _drive_slots(programs, params, ids, mask, key, rungs: tuple, mesh, rows):
-    """The body of :func:`slot_rollout`: chunks until no row is left, one in flight while the last status is read;
-    once the queue is empty and the rows left fit the next rung, they move there. The first call of a shape
-    compiles the rungs below the first in the background (:func:`_compile_below`, one process) and runs the rungs
-    it did not reach (no step: the round is done), so a later round compiles nothing. A process holding none of the
-    mesh's devices runs no chunk (its outputs come from the mesh's processes)."""
-    start, chunks_at, compacts, finish, below, _ = programs
-    with splash.on_mesh(mesh):   # the prefill's TPU kernel, placed on the mesh
-        prompts, state, status = start(params, ids, mask, key)
-    first, shared = not below.get("warmed"), bool(state.cache.group)
-    if "futures" not in below:
-        below["futures"] = (_compile_below(chunks_at, compacts, params, prompts, state) if jax.process_count() == 1
-                            else [])
-
-    def move(rung, state):   # into rung + 1, once its programs are compiled
-        if rung < len(below["futures"]):
-            below["futures"][rung].exception()   # waits; a failed compile is the call's own again, raised here
-        return compacts[rung](prompts, state), rung + 1
-    yield
-    spanning = jax.process_count() > 1 and mesh is not None
-    here = not spanning or jax.process_index() in {d.process_index for d in mesh.devices.flat}
-
-    def left(status):   # (rows in slots, rows queued, most in one device's block): every device holds it
-        return np.asarray(status.addressable_data(0)).tolist()
-
-    chunks, rung = 0, 0
-    blocks = _split(rows)   # the slots' blocks: one per device of the data axes
-    if here and any(left(status)):
-        state, status = chunks_at[rung](params, prompts, state)
-        chunks += 1
-        while True:   # chunk k + 1 dispatched before chunk k's status is read: the device never waits for the host
-            ahead, ahead_status = chunks_at[rung](params, prompts, state)
-            yield
-            live, queued, most = left(status)
-            state = ahead   # the last one ran no step: chunk k had left no row
-            if not (live or queued):
-                break
-            status = ahead_status
-            chunks += 1
-            while rung + 1 < len(rungs) and not queued and most <= rungs[rung + 1] // blocks:   # rows only leave
-                state, rung = move(rung, state)
-    if here and first:   # every rung compiled in the first round, whatever its lengths
-        r = rung
-        while r + 1 < len(rungs):
-            state, r = move(r, state)
-            state, _ = chunks_at[r](params, prompts, state)
-        below["warmed"] = True
-    out, counts = finish(state.tokens, state.logps, state.mask, state.ended, state.t, state.work)
-    return _result(out, counts, rungs[0], rows, spanning, chunks=chunks, rungs=rungs[:rung + 1], shared_prompts=shared,
-                   one_program=False)
+        return out, {"counts": counts, "slots": sizes[0]}
+    out, (decode, row_steps, reached) = jax.device_get((out, counts))
+    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "slots": sizes[0],
+                 "rungs": sizes[:int(reached) + 1], "slot_devices": _slot_devices(rows), "shared_prompts": shared}
 
 
 def drive(items: Sequence, stats: list | None = None) -> list:
-    """Run the :func:`slot_rollout` generators among ``items`` to the end, one step of each in turn (each one's
-    device work overlaps the others' host reads); returns their Rollouts, other items unchanged. ``stats``: a
+    """Read the :func:`slot_rollout` rounds among ``items`` (each already dispatched, so their device work overlaps
+    the others' reads); returns their Rollouts, other items unchanged. ``stats``: a
     list that gets each item's stats dict (None for the other items)."""
     out, pending = list(items), [i for i, x in enumerate(items) if inspect.isgenerator(x)]
     info = [None] * len(out)
@@ -618,22 +448,22 @@ def drive(items: Sequence, stats: list | None = None) -> list:
 
 
 def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                   slots: int | None = None, chunk: int = CHUNK, admit: int | None = None, width: int | None = None,
-                   mesh=None, shrink: bool = True) -> tuple[Rollout, dict]:
+                   slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
+                   shrink: bool = True) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
 
     Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
-    ``chunk``: decode steps per program call (one host read each); ``admit``: rows admitted per step at most
-    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp; a fixed width keeps one decode program
-    across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the queue is
+    ``admit``: rows admitted per step at most
+    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp: the prompts are left-padded to it, so a fixed
+    width keeps one program across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the queue is
     empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns
     (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of
-    each decode step run), ``decode_steps``, ``chunks``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
+    each decode step run), ``decode_steps``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
     ``slot_devices``, ``shared_prompts`` (the first rung read each prompt's entries once for its G slots:
-    :func:`shares_prompts`), ``one_program`` (the round ran as one program, :func:`one_program`: no chunk).
+    :func:`shares_prompts`). The round is one program (:func:`round_program`), compiled once per sampler shape.
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                              slots=slots, chunk=chunk, admit=admit, width=width, mesh=mesh, shrink=shrink)],
+                              slots=slots, admit=admit, width=width, mesh=mesh, shrink=shrink)],
                 stats)
     return out[0], stats[0]

@@ -5,8 +5,8 @@ decode row-steps rows of given lengths cost there.
     ladder_row_steps(lengths, rungs)   # == generate_slots(...)[1]["row_steps"] at S >= rows on one device
 
 A round's rows start in S slots; once the queue is empty and the live rows fit the next rung, they move there, so
-a long tail of lengths decodes in few slots. Each rung is a decode program compiled in the round 0, so the ladder is
-short: steps of 3/4 (to round numbers) above FINE slots, halves below, where a step's fixed cost dominates.
+a long tail of lengths decodes in few slots. Each rung is a decode loop (and a move) in the round's one program,
+whose compile grows with the rungs, so the ladder is short: steps of 3/4 (to round numbers) above FINE slots, halves below, where a step's fixed cost dominates.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = ["ladder", "rungs", "paged_layout", "slot_count", "min_row_steps", "la
 
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 10   # the ladder's rungs at most: a decode program each, all compiled in the first round
+RUNGS = 10   # the ladder's rungs at most: a decode loop each in the round's program
 SHORT = 32   # a round of at most this many new tokens keeps its S: too short a tail to repay the rungs' compiles
 
 
@@ -64,7 +64,7 @@ def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shri
     """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` on the
     ``heads`` cache layout for rounds of more than SHORT ``new_tokens``; ``(slots,)`` on the ``pages`` one
     (:func:`paged_layout`) and for short rounds, whose tail lasts at most SHORT steps: too few for the rungs'
-    decode programs and moves to repay their compiles (`mrl demo --quick`, 8 new tokens: 155 programs with them,
+    decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens: 155 programs with them,
     103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full one)."""
     return ladder(slots, multiple, shrink and new_tokens > SHORT and not paged_layout(graphdef, params))
 

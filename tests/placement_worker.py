@@ -117,10 +117,10 @@ def main(root: Path) -> dict:
         with jax.transfer_guard("disallow"):
             pol = run.policies[0]
             ids = np.zeros((4, 3), np.int32)
-            start = rollout_slots._programs(pol.graphdef, pol.sampling, pol.num_generations,
-                                            (4 * pol.num_generations,), 3, rollout_slots.CHUNK, 8,
-                                            mwra.row_sharding(pol.mesh))[0]   # the sampler's pinned prefill
-            start(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
+            whole = rollout_slots.round_program(pol.graphdef, pol.sampling, pol.num_generations,
+                                                (4 * pol.num_generations,), 3, 0,
+                                                mwra.row_sharding(pol.mesh))   # the sampler's pinned round
+            whole(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))
         res["guard_catches_implicit"] = False
     except Exception as e:  # noqa: BLE001
         res["guard_catches_implicit"] = "transfer" in str(e).lower() or "disallow" in str(e).lower()

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 import worker_result
 from mrl_jax import models, mwra
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import _chunk, _compact, _start, generate_slots
+from mrl_jax.rollout_slots import _compact, _decode, _start, generate_slots
 from mrl_jax.trainer.placement import pad_prompts
 
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -34,8 +34,7 @@ def main() -> dict:
         params = mwra.put(p, mwra.param_shardings(p, mesh, min_size=0))
         pids, pmask = pad_prompts(ids, mask, d)
         with jax.transfer_guard("disallow"):
-            out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=3, slots=slots, chunk=4,
-                                        mesh=mesh)
+            out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=3, slots=slots, mesh=mesh)
         b = len(PROMPTS) * 3
         res["cases"][str(d)] = {
             "tokens_equal": bool(np.array_equal(out.tokens[:b], ref.tokens)),
@@ -56,7 +55,7 @@ def main() -> dict:
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 12, 19, 33, 41, 50), cache_bucket=8)   # a tail
     ref12 = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=12))
     with jax.transfer_guard("disallow"):
-        out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=12, chunk=2, mesh=mesh)
+        out, stats = generate_slots(gd, params, pids, pmask, key, cfg, num_samples=12, mesh=mesh)
     b = len(PROMPTS) * 12
     res["ladder"] = {"rungs": list(stats["rungs"]), "tokens_equal": bool(np.array_equal(out.tokens[:b], ref12.tokens)),
                      "mask_equal": bool(np.array_equal(out.mask[:b], ref12.mask)),
@@ -70,7 +69,7 @@ def move_collectives(gd, params, ids, mask, key, cfg, mesh) -> int:
     move within its own slots (a move across them gathers the indices and all-reduces the gathered cache)."""
     rows, repl = mwra.row_sharding(mesh), mwra.REPLICATED
     put = lambda x: mwra.put(x, jax.sharding.NamedSharding(mesh, repl))   # noqa: E731
-    prompts, state, _ = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=12, slots=48, width=8,
+    prompts, state = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=12, slots=48, width=8,
                                                           rows=rows))(params, put(ids), put(mask), put(key))
     assert state.cache.group == 12   # a slot per row: the move copies each prompt's entries in from its block
     text = jax.jit(lambda p, s: _compact(p, s, slots=12, rows=rows)).lower(prompts, state).compile().as_text()
@@ -79,12 +78,13 @@ def move_collectives(gd, params, ids, mask, key, cfg, mesh) -> int:
 
 def gathered_keys(gd, params, ids, mask, key, cfg, mesh, slots: int) -> int:
     """All-gathers of float arrays of 3 or more dims (a step's keys / values [S, K, D], the cache) in the compiled
-    decode chunk on ``mesh``: the cache write should keep every slot's entry on its device."""
+    decode loop on ``mesh``: the cache write should keep every slot's entry on its device."""
     rows, repl = mwra.row_sharding(mesh), mwra.REPLICATED
     put = lambda x: mwra.put(x, jax.sharding.NamedSharding(mesh, repl))   # noqa: E731
-    prompts, state, _ = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=3, slots=slots, width=8,
+    prompts, state = jax.jit(lambda p, i, m, k: _start(gd, p, i, m, k, cfg, num_samples=3, slots=slots, width=8,
                                                           rows=rows))(params, put(ids), put(mask), put(key))
-    text = jax.jit(lambda p, a, b: _chunk(gd, p, a, b, cfg, 3, 4, 4, rows=rows)).lower(params, prompts, state)
+    text = jax.jit(lambda p, a, b: _decode(nnx.merge(gd, p), a, b, cfg, 3, 4, rows, None)).lower(params, prompts,
+                                                                                                  state)
     return len(re.findall(r"= f32\[\d+,\d+,\d+[\d,]*\]\S* all-gather\(", text.compile().as_text()))
 
 

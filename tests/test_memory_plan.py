@@ -19,6 +19,7 @@ from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, device_use, devices_needed, largest_fitting,
                                       over_limit, tree_bytes)
+from mrl_jax.slot_ladder import SHORT
 from mrl_jax.trainer import memory
 from mrl_jax.trainer.run import Run
 
@@ -288,64 +289,27 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
     assert widest <= width
 
 
-def test_the_moves_figure_counts_the_weights_left_resident(planned, monkeypatch):
-    """The move down the ladder compiles without the weights (it takes only the sampler's state) but they stay on
-    the device beside its two caches: its transient is its whole peak, so a move whose two caches outgrow the
-    chunk's transient decides the figure (before: compared peak to peak, the chunk's weights hid it)."""
+@pytest.mark.parametrize("new,part", [(6, 1), (40, 1), (40, 2)], ids=["one_rung", "ladder", "queue"])
+def test_the_samplers_figure_is_the_program_it_runs(planned, new, part):
+    """The round is one program, so the plan's sampler figure is the memory of the very program the sampler runs
+    (found in its memo after a real round on the mesh, compiled for the same inputs): a short round at one rung,
+    a long one moving down the ladder (both rungs' caches live at a move), fewer slots than rows (a queue)."""
     run, _ = planned
     pol, mesh = run.policies[0], run.placement.meshes[0]
-    pol = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=40))   # a long round
-    params = run.state_template().policies[0].params
-    w = memory.tree_bytes(params)
-    # transients 200,010 and 300,000 bytes, both above the (real) start's
-    chunk_fig, move_fig = StepMemory(w + 100_000, 10, 100_000, 0), StepMemory(150_000, 150_000, 0, 0)
-    figs = iter([chunk_fig, move_fig])
-    monkeypatch.setattr(memory, "step_memory", lambda *a, **k: next(figs))
-    S = 16 * int(mesh.devices.size)
-    assert len(memory.rollout_slots.ladder(S, int(mesh.devices.size))) > 1
-    fig = memory._slot_memory(pol, mesh, params, 4, 8, S)
-    assert fig.peak - w == 300_000, fig
-    # S below the rows (a queue): a short round (6 new tokens, slot_ladder.SHORT) keeps S, no move to plan
-    # for, and so does sampling.ladder false (S slots to the end): the chunk's figure decides
-    short = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=6))
-    figs = iter([chunk_fig])
-    assert memory._slot_memory(short, mesh, params, 4, 8, S // 2).peak - w == 200_010
-    fixed = dataclasses.replace(pol, spec=dataclasses.replace(
-        pol.spec, sampling=dataclasses.replace(pol.spec.sampling, ladder=False)))
-    figs = iter([chunk_fig])
-    assert memory._slot_memory(fixed, mesh, params, 4, 8, S // 2).peak - w == 200_010
-
-
-def test_a_one_program_rounds_figure_is_that_programs(planned):
-    """A slot per row and one rung (`rollout_slots.one_program`): the round is one program, so the plan's figure is
-    the memory of the very program the sampler runs (`_programs(...).whole`, compiled for the same inputs), not the
-    larger of a prefill and a chunk it never runs."""
-    run, _ = planned
-    pol, mesh = run.policies[0], run.placement.meshes[0]
-    params = run.state_template().policies[0].params
-    d = int(mesh.devices.size)
-    P, Tp, rows = 4 * d, 8, mwra.row_sharding(mesh)
-    S = P * pol.num_generations
-    programs = memory.rollout_slots._programs(pol.graphdef, pol.sampling, pol.num_generations, (S,), Tp,
-                                              memory.rollout_slots.CHUNK, None, rows, queue=False)
+    pol = dataclasses.replace(pol, sampling=dataclasses.replace(pol.sampling, max_new_tokens=new))
+    params = run.initial_state().policies[0].params
+    d, G = int(mesh.devices.size), pol.num_generations
+    P, Tp = 4 * d, 8
+    S = P * G // part
+    ids = np.ones((P, Tp), np.int32)
+    memory.rollout_slots.generate_slots(pol.graphdef, params, ids, ids > 0, jax.random.key(0), pol.sampling,
+                                        num_samples=G, slots=S, mesh=mesh, shrink=pol.spec.sampling.ladder)
+    (key,) = [k for k in memory.rollout_slots._PROGRAMS if k[0] is pol.graphdef and k[1] == pol.sampling and
+              k[3][0] == S]
+    assert (len(key[3]) > 1) == (new > SHORT and part == 1) and (key[5] > 0) == (part > 1), key[3:6]   # rungs, admit
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (np.int32, np.bool_))
-    mem = programs.whole.lower(params, ids, mask, memory._key(mesh)).compile().memory_analysis()
+    mem = memory.rollout_slots._PROGRAMS[key].lower(params, ids, mask, memory._key(mesh)).compile().memory_analysis()
     fig = memory._slot_memory(pol, mesh, params, P, Tp, S)
     assert (fig.args, fig.out, fig.temp) == (mem.argument_size_in_bytes, mem.output_size_in_bytes,
                                              mem.temp_size_in_bytes), fig
-
-
-def test_sampler_figure_counts_the_kernels_of_both_programs(planned, monkeypatch):
-    """The sampler's figure is its larger-peak program's memory with the Pallas calls of the start (prefill) AND
-    the chunk (decode) program: a chunk that dominates the peak must not report the prefill's kernels as 0 (seen
-    on the 8B / v5e-8 plan: "0 in the sampler" with splash in the prefill)."""
-    run, _ = planned
-    pol, mesh = run.policies[0], run.placement.meshes[0]
-    params = run.state_template().policies[0].params
-    start_fig, chunk_fig = StepMemory(10, 10, 10, 0, kernels=3), StepMemory(10, 10, 500, 0, kernels=0)
-    real = memory.compiled_memory
-    monkeypatch.setattr(memory, "compiled_memory", lambda lowered, args: (real(lowered, args)[0], start_fig))
-    monkeypatch.setattr(memory, "step_memory", lambda *a, **k: chunk_fig)
-    fig = memory._slot_memory(pol, mesh, params, 4, 8, 4)
-    assert fig.temp == 500 and fig.kernels == 3

@@ -192,9 +192,10 @@ def test_a_program_over_the_hbm_is_a_figure_not_a_crash():
 
 @pytest.mark.parametrize("chips", [1, 2])
 def test_the_slot_samplers_decode_compiles_the_paged_kernel_for_tpu(chips):
-    """The slot sampler's decode program (one chunk of steps) compiled for v5e chips with ``attention: splash``: a
-    head dim of 128 runs JAX's Pallas paged attention kernel in every decode step (a Mosaic custom call in the
-    compiled program; on 2 chips under ``shard_map``, slots split); 64-wide heads keep ours (no kernel call)."""
+    """The slot sampler's decode loop (its round's steps at one rung) compiled for v5e chips with ``attention:
+    splash``: a head dim of 128 runs JAX's Pallas paged attention kernel in every decode step (a Mosaic custom call
+    in the compiled program; on 2 chips under ``shard_map``, slots split); 64-wide heads keep ours (no kernel
+    call)."""
     code = ("import json, sys, numpy as np, jax\n"
             "from flax import nnx\n"
             "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
@@ -222,8 +223,8 @@ def test_the_slot_samplers_decode_compiles_the_paged_kernel_for_tpu(chips):
             "        c0 = start.lower(params, ids, mask, key).compile()\n"
             "        pr, st = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,\n"
             "                              c0.output_shardings[:2])\n"
-            "        chunk = jax.jit(lambda p, a, b: rollout_slots._chunk(g, p, a, b, cfg, 4, 8, 4, rows=rows))\n"
-            "        text = chunk.lower(params, pr, st).compile().as_text()\n"
+            "        loop = jax.jit(lambda p, a, b: rollout_slots._decode(nnx.merge(g, p), a, b, cfg, 4, 4, rows, None))\n"
+            "        text = loop.lower(params, pr, st).compile().as_text()\n"
             "    out[hidden // 2] = {'paged': text.count('tpu_custom_call'), 'paged_cache': st.cache.paged}\n"
             "print(json.dumps(out))\n")
     out = _in_child(code)

@@ -4,7 +4,7 @@ At start (before any warm start or round) `plan_memory` lowers every policy's pi
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
 XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
-(`mrl_jax.rollout_slots`: its one program, or its start, chunk and move programs) at ``sampling.slots`` when set,
+(`mrl_jax.rollout_slots`: its round's one program) at ``sampling.slots`` when set,
 else at every row when that fits, else at the largest S that does (the plan prints S; none fitting is one
 ``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the first
 round loads these programs instead of compiling them again.
@@ -37,7 +37,7 @@ from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, devices_nee
 from mrl_jax.rollout import bucket_length
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.trainer.encoding import PROMPT_BUCKETS
-from mrl_jax.trainer.placement import device_memory_bytes, on_mesh, pad_rows, pin_update
+from mrl_jax.trainer.placement import device_memory_bytes, pad_rows, pin_update
 from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
 from mrl_jax.trainer.policy import add_lora, update_factory
 
@@ -108,10 +108,9 @@ def _update_inputs(run, pol, mesh, Tp: int):
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
-    """The slot sampler's figure at S slots, compiled on abstract inputs, with the Pallas kernel calls; None where
-    the backend reports none: the round's one program where it is one (`rollout_slots.one_program`: a slot per row,
-    one rung), else the larger-peak of its programs (start: prefill and token 0; chunk: the decode steps; the move
-    of the last rows to the ladder's next rung, both caches live)."""
+    """The slot sampler's figure at S slots: its round's one program (`rollout_slots.round_program`: the prefill,
+    each rung's decode steps and the moves between them) compiled on abstract inputs, with the Pallas kernel
+    calls; None where the backend reports none."""
     from mrl_jax.mwra import row_sharding
 
     G, cfg, rows = pol.num_generations, pol.sampling, row_sharding(mesh)
@@ -119,33 +118,9 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
                                 pol.spec.sampling.ladder)
-    if rollout_slots.one_program(rungs, P * G):
-        whole = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._round(pol.graphdef, p, i, m, k, cfg,
-                                                                              num_samples=G, slots=S, width=Tp,
-                                                                              rows=rows)))
-        return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
-    start = jax.jit(on_mesh(mesh, lambda p, i, m, k: rollout_slots._start(pol.graphdef, p, i, m, k, cfg,
-                                                                          num_samples=G, slots=S, width=Tp,
-                                                                          rows=rows)))
-    compiled, first = compiled_memory(start.lower(params, ids, mask, _key(mesh)), (params, ids, mask))
-    if compiled is None:   # refused by XLA:TPU as over the HBM: that figure decides
-        return first
-    shapes = jax.eval_shape(start, params, ids, mask, _key(mesh))[:2]
-    shardings = compiled.output_shardings[:2]
-    prompts, state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     admit = rollout_slots.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
-    chunk = jax.jit(on_mesh(mesh, lambda p, pr, st: rollout_slots._chunk(pol.graphdef, p, pr, st, cfg, G,
-                                                                          rollout_slots.CHUNK, admit, rows=rows)),
-                    donate_argnums=(2,))
-    second = step_memory(chunk, params, prompts, state)
-    third = second if len(rungs) == 1 else step_memory(
-        jax.jit(lambda pr, st: rollout_slots._compact(pr, st, slots=rungs[1], rows=rows)),
-        prompts, state)
-    if first is None or second is None or third is None:
-        return None
-    if third is not second:   # the move holds no weights, but they stay resident beside its two caches
-        third = third._replace(args=third.args + tree_bytes(params))
-    return max(first, second, third, key=lambda m: m.peak)._replace(kernels=first.kernels + second.kernels)
+    whole = rollout_slots.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
+    return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
 
 
 def padded_prompts(run, devices: int) -> int:

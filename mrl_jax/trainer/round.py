@@ -152,7 +152,7 @@ def _replicated(pol: Policy, x):
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout on its mesh (not awaited): prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly; the slot
-    sampler (``rollout_slots``: a generator that `drive` steps; ``pol.slots`` slots over the data axis, rows
+    sampler (``rollout_slots``: its round's one program, read by `drive`; ``pol.slots`` slots over the data axis, rows
     admitted as slots free), on one process or several."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
@@ -215,13 +215,13 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
 
 def _sampler_metrics(stats: dict | None, counts, rollout) -> dict:
     """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
-    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[2]
-    (decode steps, row-steps) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
+    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[3]
+    (decode steps, row-steps, deepest rung) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
     (``stats`` holds them). {} for a rollout that came without the sampler's figures (``stats`` None)."""
     if stats is None:
         return {}
     if counts is not None:
-        decode, row_steps = np.asarray(counts).tolist()
+        decode, row_steps = np.asarray(counts).tolist()[:2]
     else:
         decode, row_steps = stats["decode_steps"], stats["row_steps"]
     return {"sampler/row_steps_per_token": row_steps / max(int(np.asarray(rollout.lengths).sum()), 1),
