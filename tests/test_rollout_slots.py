@@ -281,9 +281,9 @@ def test_no_refill_where_no_row_can_queue(llama):
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
         (prog,) = [v for k, v in rollout_slots._PROGRAMS.items() if k[0] is g and k[1] == cfg and k[3] == ladder(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
-    every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
-    per_rung = every_row // 3
-    assert every_row == 3 * per_rung and queued == 2 * per_rung + 1, (every_row, queued)
+    every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12); a conditional per move
+    per_rung = (every_row - 2) // 3
+    assert every_row == 3 * per_rung + 2 and queued == 2 * per_rung + 1 + 1, (every_row, queued)
 
 
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
