@@ -62,11 +62,11 @@ from mrl_jax.models import splash
 from mrl_jax.models.slot_cache import SlotCache, take_blocks
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
-from mrl_jax.slot_ladder import (ladder, ladder_row_steps, min_row_steps, paged_layout, rungs,  # noqa: F401
-                                  slot_count)
+from mrl_jax.slot_ladder import (ladder, ladder_row_steps, min_row_steps, paged_layout, ragged,  # noqa: F401
+                                  rungs, slot_count)
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "round_program", "trace_count", "slot_count",
-           "min_row_steps", "ladder_row_steps", "ladder", "rungs", "paged_layout"]
+           "min_row_steps", "ladder_row_steps", "ladder", "rungs", "ragged", "paged_layout"]
 
 _TRACES = 0
 
@@ -325,31 +325,26 @@ def _round(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
            width: int, admit: int = 0, rows=None):
     """The round, one program: the prefill (`_start`, the first ``rungs[0]`` rows admitted), decode steps at each
     rung of the ladder ``rungs`` until the rows fit the next (`_decode`; ``admit`` rows refilled per step at the
-    first rung, 0 where no row can queue), the move there (`_compact`; once no row is left the rungs below are
-    skipped), and the outputs. Nothing is decided on the host, so nothing is read before the end. Returns (Rollout
-    [P * G, N], counts int32[3]: decode steps, row-steps (step 0 of every row + the slots of each decode step run),
-    the deepest rung reached)."""
+    first rung, 0 where no row can queue), the move there (`_compact`), and the outputs. Nothing is decided on the
+    host, so nothing is read before the end. Returns (Rollout [P * G, N], counts int32[3]: decode steps, row-steps
+    (step 0 of every row + the slots of each decode step run), the deepest rung reached)."""
     global _TRACES
     _TRACES += 1
     g, d = num_samples, _split(rows)
     prompts, state = _start(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=g, slots=rungs[0],
                             width=width, rows=rows)
     model = nnx.merge(graphdef, params)
-
-    def finish(st: _State, r: int):
-        return Rollout(tokens=st.tokens, logprobs=st.logps[..., 0], sampling_logprobs=st.logps[..., 1], mask=st.mask,
-                       lengths=st.mask.sum(-1, dtype=jnp.int32), truncated=~st.ended), jnp.stack(
-            [st.t, st.tokens.shape[0] + st.work, jnp.int32(r)])
-
-    def rung(r: int, st: _State):   # rung r's steps; then, rows left, the move to rung r + 1, else the outputs
-        last = r + 1 == len(rungs)
-        st = _decode(model, prompts, st, config, g, admit if r == 0 else 0, rows, None if last else rungs[r + 1] // d)
-        if last:
-            return finish(st, r)
-        return jax.lax.cond(_busy(prompts, st),
-                            lambda s: rung(r + 1, _compact(prompts, s, slots=rungs[r + 1], rows=rows)),
-                            lambda s: finish(s, r), st)
-    return rung(0, state)
+    reached = jnp.zeros((), jnp.int32)
+    for r in range(len(rungs)):
+        below = rungs[r + 1] if r + 1 < len(rungs) else None
+        state = _decode(model, prompts, state, config, g, admit if r == 0 else 0, rows,
+                        None if below is None else below // d)
+        if below is not None:   # the rows left move down (none left: an empty move, and no step below)
+            reached = jnp.where(_busy(prompts, state), r + 1, reached)
+            state = _compact(prompts, state, slots=below, rows=rows)
+    return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
+                   mask=state.mask, lengths=state.mask.sum(-1, dtype=jnp.int32),
+                   truncated=~state.ended), jnp.stack([state.t, state.tokens.shape[0] + state.work, reached])
 
 
 def _placement(mesh, rows: int, slots: int | None):
@@ -410,7 +405,8 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
     if width > tp:   # left-padded to the slots' width: one program whatever the round's prompt bucket
         ids, mask = (np.pad(x, ((0, 0), (width - tp, 0))) for x in (ids, mask))
-    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size), shrink)
+    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size), shrink,
+                  ragged=ragged(config.eos_ids, s, b))
     program = _program(graphdef, config, g, sizes, width, admit_count(s, admit) if s < b else 0, rows)
     out, counts = program(params, *put((ids, mask, key)))
     spanning = jax.process_count() > 1 and mesh is not None

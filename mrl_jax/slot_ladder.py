@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 from flax import nnx
 
-__all__ = ["ladder", "rungs", "paged_layout", "slot_count", "min_row_steps", "ladder_row_steps"]
+__all__ = ["ladder", "rungs", "ragged", "paged_layout", "slot_count", "min_row_steps", "ladder_row_steps"]
 
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
@@ -60,13 +60,22 @@ def paged_layout(graphdef, params) -> bool:
     return _PAGED[graphdef]
 
 
-def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` on the
-    ``heads`` cache layout for rounds of more than SHORT ``new_tokens``; ``(slots,)`` on the ``pages`` one
-    (:func:`paged_layout`) and for short rounds, whose tail lasts at most SHORT steps: too few for the rungs'
-    decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens: 155 programs with them,
+def ragged(stops, slots: int, rows: int) -> bool:
+    """Whether a round's rows can end at different steps, so that its tail could move down the ladder: it has stop
+    ids (``stops``: the sampling config's ``eos_ids``), or fewer ``slots`` than ``rows`` (rows enter as slots free).
+    Without either every row ends at step N - 1, all at once."""
+    return bool(stops) or slots < rows
+
+
+def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True, *,
+          ragged: bool = True) -> tuple[int, ...]:
+    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink``, on the
+    ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at different steps
+    (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`), where rows
+    that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few for the rungs' decode loops and moves to repay
+    their compile (`mrl demo --quick`, 8 new tokens: 155 programs with them,
     103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full one)."""
-    return ladder(slots, multiple, shrink and new_tokens > SHORT and not paged_layout(graphdef, params))
+    return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params))
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:

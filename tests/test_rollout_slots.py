@@ -9,7 +9,7 @@ from mrl_jax import models
 from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
 from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
-                                   slot_count, slot_rollout, trace_count)
+                                   ragged, slot_count, slot_rollout, trace_count)
 from mrl_jax.slot_ladder import SHORT, rungs
 
 VOCAB = 61
@@ -77,7 +77,8 @@ def test_the_tail_moves_to_fewer_slots(llama):
     g, p, ids, mask = llama
     # a round of at most SHORT new tokens keeps S (too short a tail to repay the rungs' compiles)
     assert rungs(g, p, 36, SHORT) == (36,) and rungs(g, p, 36, SHORT + 1) == ladder(36)
-    assert rungs(g, p, 36, SHORT + 1, shrink=False) == (36,)
+    assert rungs(g, p, 36, SHORT + 1, shrink=False) == (36,) == rungs(g, p, 36, SHORT + 1, ragged=False)
+    assert not ragged(None, 36, 36) and ragged((7,), 36, 36) and ragged(None, 24, 36)
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
     key = jax.random.key(21)
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
@@ -99,27 +100,36 @@ def test_the_tail_moves_to_fewer_slots(llama):
 
 
 def test_a_round_is_one_program_holding_every_rung(llama):
-    """No stop ids: every row decodes to N, so no row moves (rungs (36,)), yet the one program the first call
-    compiles (traced once; under the round's transfer guard too) holds the loops of all three rungs and both moves,
-    so a later round whose rows move compiles nothing; without the ladder it holds one loop. N = 39 / 37: shapes no
-    other test compiles."""
+    """36 rows with stop ids (a tail that could move: rungs 36, 24, 12): the round is one program, traced and
+    compiled once (under the round's transfer guard too), holding a decode loop per rung, so a later round whose
+    rows move further compiles nothing. Rows that can only end together (no stop id, a slot per row) keep one rung:
+    nothing could move; with fewer slots than rows they enter, and so end, at different steps: the ladder again.
+    N = 39 / 37: shapes no other test compiles."""
     from mrl_jax import rollout_slots
 
     g, p, ids, mask = llama
+
+    def program(cfg, slots=36):   # the memoised round program of this config at S = slots, and its rungs
+        (k,) = [k for k in rollout_slots._PROGRAMS if k[0] is g and k[1] == cfg and k[3][0] == slots]
+        return rollout_slots._PROGRAMS[k], k[3]
+
     for n, guard in ((39, "allow"), (37, "disallow")):
-        cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=None, cache_bucket=16, temperature=0.9)
+        cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, temperature=0.9)
         key = jax.random.key(3)
         ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
         before = trace_count()
         with CompileCounter() as cc, jax.transfer_guard(guard):
             out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12)
-        assert stats["rungs"] == (36,) and trace_count() - before == 1 and cc.programs == 1, (guard, cc.programs)
+        assert trace_count() - before == 1 and cc.programs == 1, (guard, cc.programs)
         _assert_same(out, ref)
-
-    def loops(rungs):   # while loops in the round's program: one per rung, plus the step's own
-        return str(jax.make_jaxpr(lambda *a: rollout_slots._round(g, *a, cfg, num_samples=12, rungs=rungs, width=8))(
-            p, ids, mask, key)).count(" while[")
-    assert loops((36, 24, 12)) - loops((36,)) == 2
+        whole, sizes = program(cfg)
+        loops = str(jax.make_jaxpr(whole)(p, ids, mask, key)).count(" while[")
+        free = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=None, cache_bucket=16, temperature=0.9)
+        out, stats = generate_slots(g, p, ids, mask, key, free, num_samples=12)
+        assert sizes == (36, 24, 12) and stats["rungs"] == program(free)[1] == (36,), (sizes, stats)
+        assert loops - str(jax.make_jaxpr(program(free)[0])(p, ids, mask, key)).count(" while[") == 2   # a loop a rung
+        generate_slots(g, p, ids, mask, key, free, num_samples=12, slots=24)
+        assert program(free, 24)[1] == ladder(24) == (24, 12)
 
 
 def _stop_set(tokens: np.ndarray) -> tuple:
@@ -281,9 +291,9 @@ def test_no_refill_where_no_row_can_queue(llama):
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
         (prog,) = [v for k, v in rollout_slots._PROGRAMS.items() if k[0] is g and k[1] == cfg and k[3] == ladder(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
-    every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12); a conditional per move
-    per_rung = (every_row - 2) // 3
-    assert every_row == 3 * per_rung + 2 and queued == 2 * per_rung + 1 + 1, (every_row, queued)
+    every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
+    per_rung = every_row // 3
+    assert every_row == 3 * per_rung and queued == 2 * per_rung + 1, (every_row, queued)
 
 
 def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
