@@ -454,14 +454,14 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
 
     Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
-    ``admit``: rows admitted per step at most
-    (default max(8, S / 8)); ``width``: the prompt part of each slot (>= Tp: the prompts are left-padded to it, so a fixed
-    width keeps one program across prompt buckets); ``mesh``: slots split over its devices; ``shrink``: the rows left once the queue is
-    empty move to fewer slots (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns
-    (:class:`Rollout` of host numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of
-    each decode step run), ``decode_steps``, ``slots`` (S), ``rungs`` (the slot counts it decoded in),
-    ``slot_devices``, ``shared_prompts`` (the first rung read each prompt's entries once for its G slots:
-    :func:`shares_prompts`). The round is one program (:func:`round_program`), compiled once per sampler shape.
+    ``admit``: rows admitted per step at most (default max(8, S / 8)); ``width``: the prompt part of each slot (>=
+    Tp: the prompts are left-padded to it, so a fixed width keeps one program across prompt buckets); ``mesh``:
+    slots split over its devices; ``shrink``: the rows left once the queue is empty move to fewer slots
+    (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns (:class:`Rollout` of host
+    numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
+    ``decode_steps``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``, ``shared_prompts``
+    (the first rung read each prompt's entries once for its G slots: :func:`shares_prompts`). The round is one
+    program (:func:`round_program`), compiled once per sampler shape.
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,

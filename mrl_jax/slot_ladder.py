@@ -6,7 +6,8 @@ decode row-steps rows of given lengths cost there.
 
 A round's rows start in S slots; once the queue is empty and the live rows fit the next rung, they move there, so
 a long tail of lengths decodes in few slots. Each rung is a decode loop (and a move) in the round's one program,
-whose compile grows with the rungs, so the ladder is short: steps of 3/4 (to round numbers) above FINE slots, halves below, where a step's fixed cost dominates.
+whose compile grows with the rungs, so the ladder is short: steps of 3/4 (to round numbers) above FINE slots, halves
+below, where a step's fixed cost dominates.
 """
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shri
     """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink``, on the
     ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at different steps
     (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`), where rows
-    that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few for the rungs' decode loops and moves to repay
-    their compile (`mrl demo --quick`, 8 new tokens: 155 programs with them,
-    103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full one)."""
+    that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few
+    for the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens: 155 programs
+    with them, 103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full
+    one)."""
     return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params))
 
 

@@ -215,8 +215,8 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
 
 def _sampler_metrics(stats: dict | None, counts, rollout) -> dict:
     """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
-    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[3]
-    (decode steps, row-steps, deepest rung) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
+    idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[3] (decode
+    steps, row-steps, deepest rung) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
     (``stats`` holds them). {} for a rollout that came without the sampler's figures (``stats`` None)."""
     if stats is None:
         return {}
