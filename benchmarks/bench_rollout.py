@@ -14,10 +14,11 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 ``--lengths longtail``: completion lengths roughly geometric with mean ~ max_new_tokens / 8 (the tiny model's
 logits are near uniform, and a stop set of V * 8 / N token ids gives each step a ~8 / N chance to end the
 row). Compares the static sampler (``generate``: every row decodes until the longest ends), the slot sampler
-(``mrl_jax.rollout_slots.generate_slots`` at a few slot counts S: rows enter as slots free) and
+(``mrl_jax.rollout_slots.generate_slots`` at a few slot counts S: rows enter as slots free; at S = every row also
+on a fine ladder, ``Ladder(0.9, 1)``) and
 ``transformers.generate`` with the same stop set: decode row-steps computed per kept token (S per decode step
 run) and programs compiled per call over a few keys (a run's rounds; load-independent, also with ``--untimed``),
-tokens identical (static vs slots, checked), wall times; a table on stderr.
+the first call's seconds with its compiles, tokens identical (static vs slots, checked), wall times; a table on stderr.
 """
 from __future__ import annotations
 
@@ -51,28 +52,22 @@ LONGTAIL = {
     False: dict(batch=128, samples=8, prompt_len=32, new_tokens=512, hidden=96, layers=2, heads=4, kv_heads=2,
                 vocab=512, repeats=3, rounds=4),
 }
-# the slot sampler's S as a fraction of the rows: every row (the default), a quarter, a sixteenth
-SLOT_FRACTIONS = {"slots_all": 1, "slots_quarter": 4, "slots_16th": 16}
+# the slot sampler's variants: (S as a fraction of the rows, its ladder's ratio and floor; None: the default ladder)
+SLOT_VARIANTS = {"slots_all": (1, None), "slots_all_fine": (1, (0.9, 1)), "slots_quarter": (4, None),
+                 "slots_16th": (16, None)}
 
 
-# ladders of slot counts the default S (every row) could move down, to read off what a row-step target costs in
-# decode programs: (ratio between rungs, the last rung's floor); "default" is rollout_slots.ladder's
-LADDERS = {"halving_to_8": (2, 8), "halving_to_1": (2, 1), "four_per_doubling_to_1": (2 ** 0.25, 1),
-           "eight_per_doubling_to_1": (2 ** 0.125, 1)}
-
-
-def geometric_ladder(rows: int, ratio: float, floor: int) -> tuple:
-    """Slot counts from ``rows`` down, each the last / ``ratio`` rounded up (always at least one less), while >=
-    ``floor``."""
-    out = [int(rows)]
-    while min(out[-1] - 1, int(np.ceil(out[-1] / ratio))) >= floor:
-        out.append(min(out[-1] - 1, int(np.ceil(out[-1] / ratio))))
-    return tuple(out)
+# ladders the default S (every row) could move down, to read off what a row-step target costs in decode programs:
+# (ratio between rungs, the last rung's floor) of `slot_ladder.Ladder`; "default" is its default
+LADDERS = {"halving_to_8": (0.5, 8), "halving_to_1": (0.5, 1), "four_per_doubling_to_1": (2 ** -0.25, 1),
+           "eight_per_doubling_to_1": (2 ** -0.125, 1), "ratio_0.9_to_1": (0.9, 1)}
 
 
 def slot_variants(rows: int) -> dict:
-    """{name: S} of :data:`SLOT_FRACTIONS` for ``rows`` rows."""
-    return {name: max(1, rows // f) for name, f in SLOT_FRACTIONS.items()}
+    """{name: (S, slot_ladder.Ladder)} of :data:`SLOT_VARIANTS` for ``rows`` rows."""
+    from mrl_jax.slot_ladder import Ladder
+
+    return {name: (max(1, rows // f), Ladder(*(shape or ()))) for name, (f, shape) in SLOT_VARIANTS.items()}
 PLAN = {
     True: [("llama", "quick"), ("llama", "quick_g8")],
     False: [("llama", "demo"), ("gpt2", "demo"), ("llama", "medium"), ("llama", "demo_g8"), ("qwen3", "demo_g8"),
@@ -290,7 +285,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
 
     from mrl_jax.compile_stats import CompileCounter
     from mrl_jax.rollout import generate
-    from mrl_jax.rollout_slots import generate_slots, ladder, ladder_row_steps, min_row_steps
+    from mrl_jax.rollout_slots import Ladder, generate_slots, ladder, ladder_row_steps, min_row_steps
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
@@ -306,22 +301,27 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
                      "max_length": int(lengths.max()), "static_row_steps": b * int(lengths.max()),
                      "static_compiles": cs.programs})
     variants = slot_variants(b)
-    for name, slots in variants.items():
+    for name, (slots, shape) in variants.items():
         jax.clear_caches()
         for r, (key, static, row) in enumerate(zip(keys, statics, rows)):
             with CompileCounter() as cl:
-                out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=g, slots=slots)
+                t0 = time.perf_counter()
+                out, stats = generate_slots(graphdef, params, ids, mask, key, cfg, num_samples=g, slots=slots,
+                                            ladder=shape)
+                row[f"{name}_call_s"] = time.perf_counter() - t0
             if not (np.array_equal(out.tokens, static.tokens) and np.array_equal(out.mask, static.mask)):
                 raise AssertionError(f"longtail round {r}: {name}'s tokens differ from the static sampler's")
             row.update({f"{name}_row_steps": stats["row_steps"], f"{name}_compiles": cl.programs,
                         f"{name}_bound": min_row_steps(out.lengths, stats["slots"]),
                         f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
-    ladders = {"default": ladder(b), **{k: geometric_ladder(b, *v) for k, v in LADDERS.items()}}
+    ladders = {"default": ladder(b), **{k: ladder(b, shape=Ladder(*v)) for k, v in LADDERS.items()}}
     ladder_steps = {k: sum(ladder_row_steps(x["lengths"], v) for x in rows) / kept for k, v in ladders.items()}
-    return {"rounds": rows, "tokens_identical": True, "slots": variants,
+    return {"rounds": rows, "tokens_identical": True, "slots": {k: v[0] for k, v in variants.items()},
+            "ladder_shapes": {k: [v[1].ratio, v[1].floor] for k, v in variants.items()},
             "ladders": {k: {"rungs": len(v), "row_steps_per_kept_token": ladder_steps[k]} for k, v in ladders.items()},
             "row_steps_per_kept_token": {k: sum(x[f"{k}_row_steps"] for x in rows) / kept for k in names},
+            "first_call_s": {k: rows[0][f"{k}_call_s"] for k in variants},
             "fixed_slots_bound_per_kept_token": {k: sum(x[f"{k}_bound"] for x in rows) / kept for k in variants},
             "compiles_per_round": {k: [x[f"{k}_compiles"] for x in rows] for k in names}}
 
@@ -339,7 +339,7 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
     b, n, g, tp = s["batch"], s["new_tokens"], s["samples"], ids.shape[1]
     out = {"rows": b, "max_new_tokens": n, "stop_ids": len(stops),
            **longtail_counts(s, graphdef, params, ids, mask, cfg)}
-    first = out["rounds"][0]
+    first, variants = out["rounds"][0], slot_variants(b)
     if not timed:
         return out
     jids, jmask, key = jax.numpy.asarray(ids), jax.numpy.asarray(mask), jax.random.fold_in(jax.random.key(0), 0)
@@ -359,8 +359,8 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
         t = _timed({"static": lambda: jax.block_until_ready(generate(graphdef, params, jids, jmask, key, cfg,
                                                                       num_samples=g)),
                     **{name: functools.partial(generate_slots, graphdef, params, ids, mask, key, cfg, num_samples=g,
-                                               slots=slots)
-                       for name, slots in out["slots"].items()},
+                                               slots=slots, ladder=shape)
+                       for name, (slots, shape) in variants.items()},
                     "hf": hf_fn}, s["repeats"])
     out.update({
         "seconds": t, "kept_tokens_timed": {**{k: first["kept"] for k in ("static",) + tuple(out["slots"])},
@@ -379,19 +379,24 @@ def longtail_table(r: dict) -> str:
     lines = [f"long-tailed lengths: {r['rows']} rows, max {r['max_new_tokens']} new tokens, mean length "
              f"{np.mean([x['mean_length'] for x in r['rounds']]):.1f} over {len(r['rounds'])} keys; tokens identical "
              f"(static vs slots): {r['tokens_identical']}",
-             "| sampler | row-steps per kept token | fewest any S slots can take | compiles per round | seconds | "
-             "kept tokens / s |",
-             "|---|---|---|---|---|---|"]
+             "| sampler | row-steps per kept token | fewest any S slots can take | compiles per round | first call, "
+             "with its compiles (s) | seconds | kept tokens / s |",
+             "|---|---|---|---|---|---|---|"]
     sec, kept = r.get("seconds", {}), r.get("kept_tokens_timed", {})
-    labels = [("static", "static (generate)")] + [(k, f"slots (generate_slots), S = {v}") for k, v in
+    def shape(k):
+        ratio, floor = r["ladder_shapes"][k]
+        return "" if ratio is None else f", ladder ratio {ratio} to {floor}"
+    labels = [("static", "static (generate)")] + [(k, f"slots (generate_slots), S = {v}{shape(k)}") for k, v in
                                                    r["slots"].items()] + [("hf", "transformers")]
     for name, label in labels:
         steps = rs.get(name, r.get("hf_row_steps_per_kept_token") if name == "hf" else None)
         comp = r["compiles_per_round"].get(name, "-")
         t = sec.get(name)
         bound = r.get("fixed_slots_bound_per_kept_token", {}).get(name)
+        first = r["first_call_s"].get(name)
         lines.append(f"| {label} | {'-' if steps is None else f'{steps:.2f}'} | "
                      f"{'-' if bound is None else f'{bound:.2f}'} | {comp} | "
+                     f"{'-' if first is None else f'{first:.1f}'} | "
                      f"{'-' if t is None else f'{t:.3f}'} | {'-' if t is None else f'{kept[name] / t:.0f}'} |")
     lines.append("row-steps per kept token at S = every row, moves at the first step the rows fit (exact, from the "
                  "lengths): " + ", ".join(f"{k} ({v['rungs']} rungs) {v['row_steps_per_kept_token']:.2f}"

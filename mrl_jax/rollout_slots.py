@@ -62,11 +62,11 @@ from mrl_jax.models import splash
 from mrl_jax.models.slot_cache import SlotCache, take_blocks
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
-from mrl_jax.slot_ladder import (ladder, ladder_row_steps, min_row_steps, paged_layout, ragged,  # noqa: F401
-                                  rungs, slot_count)
+from mrl_jax.slot_ladder import (Ladder, ladder, ladder_row_steps, min_row_steps, paged_layout,  # noqa: F401
+                                  ragged, rungs, slot_count)
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "round_program", "trace_count", "slot_count",
-           "min_row_steps", "ladder_row_steps", "ladder", "rungs", "ragged", "paged_layout"]
+           "min_row_steps", "ladder_row_steps", "Ladder", "ladder", "rungs", "ragged", "paged_layout"]
 
 _TRACES = 0
 
@@ -390,7 +390,7 @@ def _program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int,
 
 def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
                  slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
-                 shrink: bool = True):
+                 shrink: bool = True, ladder: Ladder = Ladder()):
     """:func:`generate_slots`'s round dispatched (not awaited) and a generator that reads it: :func:`drive` reads
     several policies' rounds once all are dispatched; its return value is (Rollout of host arrays, stats). On a
     mesh spanning processes every process of the mesh runs the same program and the value is (Rollout of the
@@ -406,7 +406,7 @@ def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: Samplin
     if width > tp:   # left-padded to the slots' width: one program whatever the round's prompt bucket
         ids, mask = (np.pad(x, ((0, 0), (width - tp, 0))) for x in (ids, mask))
     sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size), shrink,
-                  ragged=ragged(config.eos_ids, s, b))
+                  ragged=ragged(config.eos_ids, s, b), shape=ladder)
     program = _program(graphdef, config, g, sizes, width, admit_count(s, admit) if s < b else 0, rows)
     out, counts = program(params, *put((ids, mask, key)))
     spanning = jax.process_count() > 1 and mesh is not None
@@ -450,14 +450,15 @@ def drive(items: Sequence, stats: list | None = None) -> list:
 
 def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
                    slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
-                   shrink: bool = True) -> tuple[Rollout, dict]:
+                   shrink: bool = True, ladder: Ladder = Ladder()) -> tuple[Rollout, dict]:
     """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
 
     Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
     ``admit``: rows admitted per step at most (default max(8, S / 8)); ``width``: the prompt part of each slot (>=
     Tp: the prompts are left-padded to it, so a fixed width keeps one program across prompt buckets); ``mesh``:
     slots split over its devices; ``shrink``: the rows left once the queue is empty move to fewer slots
-    (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end). Returns (:class:`Rollout` of host
+    (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end); ``ladder``: how the rungs step
+    down (:class:`Ladder`: the default, or a ratio between rungs and a floor). Returns (:class:`Rollout` of host
     numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
     ``decode_steps``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``, ``shared_prompts``
     (the first rung read each prompt's entries once for its G slots: :func:`shares_prompts`). The round is one
@@ -465,6 +466,6 @@ def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: Sampl
     """
     stats: list = []
     out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                              slots=slots, admit=admit, width=width, mesh=mesh, shrink=shrink)],
+                              slots=slots, admit=admit, width=width, mesh=mesh, shrink=shrink, ladder=ladder)],
                 stats)
     return out[0], stats[0]

@@ -2,25 +2,30 @@
 decode row-steps rows of given lengths cost there.
 
     ladder(128)                        # (128, 96, 64, 48, 32, 16, 8)
+    ladder(128, shape=Ladder(0.5, 1))  # (128, 64, 32, 16, 8, 4, 2, 1)
     ladder_row_steps(lengths, rungs)   # == generate_slots(...)[1]["row_steps"] at S >= rows on one device
 
 A round's rows start in S slots; once the queue is empty and the live rows fit the next rung, they move there, so
 a long tail of lengths decodes in few slots. Each rung is a decode loop (and a move) in the round's one program,
-whose compile grows with the rungs, so the ladder is short: steps of 3/4 (to round numbers) above FINE slots, halves
-below, where a step's fixed cost dominates.
+whose compile grows with the rungs, so the default ladder is short: steps of 3/4 (to round numbers) above FINE slots,
+halves below, where a step's fixed cost dominates. A :class:`Ladder` with a ratio trades compile for row-steps:
+the full long tail of `bench_rollout.py` takes 1.24 row-steps per kept token on the default 7 rungs, 1.05 on
+``Ladder(0.9, 1)``'s 30, whose round compiles ~4x longer (RESULTS 3w).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Optional, Sequence
 
 import numpy as np
 from flax import nnx
 
-__all__ = ["ladder", "rungs", "ragged", "paged_layout", "slot_count", "min_row_steps", "ladder_row_steps"]
+__all__ = ["Ladder", "ladder", "rungs", "ragged", "paged_layout", "slot_count", "min_row_steps", "ladder_row_steps"]
 
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
 FLOOR = 8    # the ladder's last rung holds at least this many slots
-RUNGS = 10   # the ladder's rungs at most: a decode loop each in the round's program
+RUNGS = 10   # the default ladder's rungs at most: a decode loop each in the round's program
+MAX_RUNGS = 64   # a ladder with a ratio: its rungs at most
 SHORT = 32   # a round of at most this many new tokens keeps its S: too short a tail to repay the rungs' compiles
 
 
@@ -30,18 +35,44 @@ def _round_number(x: int) -> int:
     return 3 * p // 2 if p >= 2 and 3 * p // 2 <= x else p
 
 
-def ladder(slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
-    """The slot counts a round decodes in, largest first: ``slots``, then the largest 2^k or 3 * 2^k at most 3/4 of
-    the last (above FINE slots) or half of it (at or below), rounded up to a multiple of ``multiple``, while that
-    is below the last and at least max(FLOOR, multiple), RUNGS at most; (slots,) without ``shrink``. Once the
-    queue is empty and the live rows fit the next rung, they move there (`_compact`): the long tail of a round
-    decodes in few slots, each step above FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost
-    dominates). 128 -> (128, 96, 64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48,
-    32, 16, 8); 12 -> (12,)."""
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """How a round's rungs step down (``sampling.ladder_ratio`` / ``ladder_floor``): ``ratio`` None: the default
+    (3/4 steps to round numbers above FINE slots, halves below, RUNGS at most); a float in (0, 1): each rung holds at
+    most ``ratio`` x the slots of the one above (at least one fewer), MAX_RUNGS at most -- finer rungs take fewer
+    row-steps and compile a decode loop each. ``floor``: the last rung holds at least this many slots."""
+
+    ratio: Optional[float] = None
+    floor: int = FLOOR
+
+    def __post_init__(self):
+        if self.ratio is not None and not 0 < self.ratio < 1:
+            raise ValueError(f"sampling.ladder_ratio must be in (0, 1) (or unset: the default ladder), got "
+                             f"{self.ratio}")
+        if self.floor < 1:
+            raise ValueError(f"sampling.ladder_floor must be >= 1, got {self.floor}")
+
+    def below(self, slots: int) -> int:
+        """The next rung's slots before rounding to the devices (may be >= ``slots``: no rung below)."""
+        if self.ratio is None:
+            return _round_number(max(1, slots * 3 // 4 if slots > FINE else slots // 2))
+        return min(slots - 1, int(slots * self.ratio))
+
+
+def ladder(slots: int, multiple: int = 1, shrink: bool = True, shape: Ladder = Ladder()) -> tuple[int, ...]:
+    """The slot counts a round decodes in, largest first: ``slots``, then each rung's :meth:`Ladder.below` rounded up
+    to a multiple of ``multiple``, while that is below the last and at least max(``shape.floor``, multiple), RUNGS
+    (a ratio: MAX_RUNGS) at most; (slots,) without ``shrink``. Once the queue is empty and the live rows fit the
+    next rung, they move there (`_compact`): the long tail of a round decodes in few slots, each default step above
+    FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost dominates). Default: 128 -> (128, 96,
+    64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48, 32, 16, 8); 12 -> (12,)."""
     out, m = [int(slots)], int(multiple)
-    while shrink and len(out) < RUNGS:
-        nxt = -(-_round_number(max(1, out[-1] * 3 // 4 if out[-1] > FINE else out[-1] // 2)) // m) * m
-        if nxt >= out[-1] or nxt < max(FLOOR, m):
+    most = RUNGS if shape.ratio is None else MAX_RUNGS
+    while shrink and len(out) < most:
+        nxt = -(-shape.below(out[-1]) // m) * m
+        if shape.ratio is not None and nxt >= out[-1]:   # a ratio steps down at least one multiple
+            nxt = out[-1] - m
+        if nxt >= out[-1] or nxt < max(shape.floor, m):
             break
         out.append(nxt)
     return tuple(out)
@@ -69,15 +100,17 @@ def ragged(stops, slots: int, rows: int) -> bool:
 
 
 def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True, *,
-          ragged: bool = True) -> tuple[int, ...]:
-    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink``, on the
+          ragged: bool = True, shape: Ladder = Ladder()) -> tuple[int, ...]:
+    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` and
+    ``shape``, on the
     ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at different steps
     (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`), where rows
     that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few
     for the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens: 155 programs
     with them, 103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full
     one)."""
-    return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params))
+    return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params),
+                  shape)
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:

@@ -153,6 +153,8 @@ LONG = {"max_new_tokens": 40}   # past slot_ladder.SHORT: a round long enough fo
     ({"prompts_per_round": 32, "policies.0.sampling": {**LONG, "slots": 200}},
      "S = 128 decode slots for 128 rows a round (sampling.slots 200); rungs 128, 96, 64, 48, 32, 16, 8"),
     ({"policies.0.sampling": {**LONG, "ladder": False}}, "S = 16 decode slots for 16 rows a round (every row); rungs 16"),
+    ({"policies.0.sampling": {**LONG, "ladder_ratio": 0.7, "ladder_floor": 2}},
+     "S = 16 decode slots for 16 rows a round (every row); rungs 16, 11, 7, 4, 2"),
 ])
 def test_the_start_of_run_plan_says_each_samplers_slots_and_rungs(overrides, line, tmp_path):
     """Without a memory plan (CPU, no ``mwra.memory_gb``) the printed plan still names each sampler's S (the

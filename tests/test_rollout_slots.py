@@ -10,7 +10,7 @@ from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
 from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
                                    ragged, slot_count, slot_rollout, trace_count)
-from mrl_jax.slot_ladder import SHORT, rungs
+from mrl_jax.slot_ladder import SHORT, Ladder, rungs
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -97,6 +97,30 @@ def test_the_tail_moves_to_fewer_slots(llama):
             out, stats = generate_slots(g, p, ids, mask, jax.random.key(21 + r), cfg, num_samples=12)
             assert stats["rungs"][0] == 36
     assert cc.programs == 0
+
+
+def test_a_ladder_with_a_ratio_trades_rungs_for_row_steps(llama):
+    """``Ladder(ratio, floor)``: each rung at most ratio x the one above (at least one multiple fewer), down to the
+    floor; a round on it keeps the static sampler's tokens and takes exactly its ladder's row-steps, fewer than on
+    the default rungs; a ratio outside (0, 1) or a floor below 1 is refused naming the config key."""
+    assert ladder(36, shape=Ladder(0.5, 1)) == (36, 18, 9, 4, 2, 1)
+    assert ladder(36, 4, shape=Ladder(0.9, 4)) == (36, 32, 28, 24, 20, 16, 12, 8, 4)   # at least 4 fewer each rung
+    assert ladder(128, shape=Ladder(0.999, 1)) == tuple(range(128, 64, -1))   # 64 rungs at most
+    assert ladder(12, shape=Ladder(floor=12)) == (12,) and ladder(36, shape=Ladder(floor=20)) == (36, 24)
+    for bad, key in (({"ratio": 1.0}, "ladder_ratio"), ({"ratio": 0.0}, "ladder_ratio"), ({"floor": 0}, "ladder_floor")):
+        with pytest.raises(ValueError, match=f"sampling.{key} must be"):
+            Ladder(**bad)
+    g, p, ids, mask = llama
+    cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)
+    key = jax.random.key(21)
+    ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
+    lengths = np.asarray(ref.lengths)
+    fine = ladder(36, shape=Ladder(0.8, 2))
+    assert fine == (36, 28, 22, 17, 13, 10, 8, 6, 4, 3, 2)
+    out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, ladder=Ladder(0.8, 2))
+    _assert_same(out, ref)
+    assert stats["row_steps"] == ladder_row_steps(lengths, fine) < ladder_row_steps(lengths, ladder(36)), stats
+    assert stats["rungs"] == fine[:len(stats["rungs"])] and len(stats["rungs"]) > 3, stats
 
 
 def test_a_round_is_one_program_holding_every_rung(llama):
@@ -329,10 +353,18 @@ def test_on_a_mesh_equals_the_static_sampler_on_one_device(tmp_path):
 
 
 def test_sampling_slots_config_key():
-    """``sampling.slots`` below 1 is one ConfigError naming the key; a valid value reaches the policy's sampler."""
+    """``sampling.slots`` below 1, ``ladder_ratio`` outside (0, 1) and ``ladder_floor`` below 1 are one ConfigError
+    naming the key; valid values reach the policy's sampler."""
     import support
     from mrl_jax.configs import ConfigError
 
     with pytest.raises(ConfigError, match=r"policies\[0\]\.sampling\.slots': must be >= 1"):
         support.to_run_config(support.tiny_config(**{"policies.0.sampling.slots": 0}))
     assert support.to_run_config(support.tiny_config(**{"policies.0.sampling.slots": 3})).policies[0].sampling.slots == 3
+    for key, value, why in (("ladder_ratio", 1.0, r"must be in \(0, 1\)"), ("ladder_ratio", -0.5, r"must be in \(0, 1\)"),
+                            ("ladder_floor", 0, "must be >= 1")):
+        with pytest.raises(ConfigError, match=rf"policies\[0\]\.sampling\.{key}': {why}"):
+            support.to_run_config(support.tiny_config(**{f"policies.0.sampling.{key}": value}))
+    spec = support.to_run_config(support.tiny_config(**{"policies.0.sampling.ladder_ratio": 0.8,
+                                                        "policies.0.sampling.ladder_floor": 2})).policies[0].sampling
+    assert spec.ladder_shape == Ladder(0.8, 2)

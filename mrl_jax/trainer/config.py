@@ -15,6 +15,7 @@ from mrl_jax.grpo import normalize_scale
 from mrl_jax.learner import GRPOConfig, make_optimizer
 from mrl_jax.sampling import SamplingConfig
 from mrl_jax.see import ViewShape
+from mrl_jax.slot_ladder import Ladder
 from mrl_jax.probes import RunOptions, make_probe
 from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
 from mrl_jax.trainer.task_spec import TaskSpec
@@ -77,19 +78,31 @@ class SamplingSpec:
                                             "slots free, one decode program); None = every row (P x G), rounded "
                                             "up to a multiple of the policy's data axis")
     ladder: bool = field(True, help="once the queue is empty, move a round's last rows to fewer slots as they "
-                                    "fit (3/4 steps to 32, halves to 8: 128 -> 96, 64, 48, 32, 16, 8; 10 rungs at "
-                                    "most; a decode program each, all compiled in round 0, the lower ones on "
-                                    "threads); TPU's paged cache and rounds of at most 32 new tokens keep S; false = "
-                                    "S slots to the end, one decode program")
+                                    "fit (by default 3/4 steps to 32, halves to 8: 128 -> 96, 64, 48, 32, 16, 8; a "
+                                    "decode loop each in the round's one program, compiled in round 0); TPU's paged "
+                                    "cache and rounds of at most 32 new tokens keep S; false = S slots to the end")
+    ladder_ratio: Optional[float] = field(None, help="each rung at most this fraction of the slots above it (in "
+                                                     "(0, 1); finer rungs take fewer row-steps and compile a decode "
+                                                     "loop each: 0.9 to floor 1 takes 30 rungs from 128 slots); "
+                                                     "None = the default ladder")
+    ladder_floor: int = field(8, help="the ladder's last rung holds at least this many slots")
 
     def __post_init__(self):
         check(self.slots is None or self.slots >= 1, "slots",
               f"must be >= 1 (or unset: every row), got {self.slots}")
         check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        check(self.ladder_ratio is None or 0 < self.ladder_ratio < 1, "ladder_ratio",
+              f"must be in (0, 1) (or unset: the default ladder), got {self.ladder_ratio}")
+        check(self.ladder_floor >= 1, "ladder_floor", f"must be >= 1, got {self.ladder_floor}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(0 <= self.min_p < 1, "min_p", f"must be in [0, 1), got {self.min_p}")
+
+    @property
+    def ladder_shape(self) -> Ladder:
+        """How the slot sampler's rungs step down (`slot_ladder.Ladder`)."""
+        return Ladder(self.ladder_ratio, self.ladder_floor)
 
     def build(self, stop_ids: tuple[int, ...], pad_id: int, vocab_size: int = 0) -> SamplingConfig:
         """The sampler's config: stops at any of ``stop_ids`` (none: never), writes ``pad_id`` after a stop, never

@@ -117,7 +117,8 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
-                                pol.spec.sampling.ladder, ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G))
+                                pol.spec.sampling.ladder, ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G),
+                                shape=pol.spec.sampling.ladder_shape)
     admit = rollout_slots.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
     whole = rollout_slots.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
     return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]

@@ -227,7 +227,7 @@ def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarra
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
     out, = drive([slot_rollout(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
                                slots=policy.slots, width=max(policy.slot_width, ids.shape[1]), mesh=mesh,
-                               shrink=policy.spec.sampling.ladder)])
+                               shrink=policy.spec.sampling.ladder, ladder=policy.spec.sampling.ladder_shape)])
     return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
 
 

@@ -157,7 +157,7 @@ def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.nd
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
     return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
                         slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh,
-                        shrink=pol.spec.sampling.ladder)
+                        shrink=pol.spec.sampling.ladder, ladder=pol.spec.sampling.ladder_shape)
 
 
 def _trim(out, rows: int):
