@@ -383,6 +383,7 @@ def longtail_table(r: dict) -> str:
              "with its compiles (s) | seconds | kept tokens / s |",
              "|---|---|---|---|---|---|---|"]
     sec, kept = r.get("seconds", {}), r.get("kept_tokens_timed", {})
+
     def shape(k):
         ratio, floor = r["ladder_shapes"][k]
         return "" if ratio is None else f", ladder ratio {ratio} to {floor}"
@@ -403,7 +404,7 @@ def longtail_table(r: dict) -> str:
                                           for k, v in r["ladders"].items()))
     if sec:
         lines.append("slots vs static / transformers: " + ", ".join(
-            f"S {r['slots'][k]}: {r['slots_speedup_vs_static'][k]:.2f}x / {r['slots_speedup_vs_hf'][k]:.2f}x"
+            f"S {r['slots'][k]}{shape(k)}: {r['slots_speedup_vs_static'][k]:.2f}x / {r['slots_speedup_vs_hf'][k]:.2f}x"
             for k in r["slots"]) + f" (contended: {r['contended']})")
     return "\n".join(lines)
 

@@ -102,13 +102,12 @@ def ragged(stops, slots: int, rows: int) -> bool:
 def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True, *,
           ragged: bool = True, shape: Ladder = Ladder()) -> tuple[int, ...]:
     """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` and
-    ``shape``, on the
-    ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at different steps
-    (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`), where rows
-    that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few
-    for the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens: 155 programs
-    with them, 103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s from a full
-    one)."""
+    ``shape``, on the ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at
+    different steps (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`),
+    where rows that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT
+    steps: too few for the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens:
+    155 programs with them, 103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s
+    from a full one)."""
     return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params),
                   shape)
 
