@@ -1,5 +1,7 @@
 """The slot sampler against the static sampler on GRPO's layout (P prompts x G 8, every row decoding up to N tokens),
-in one process: the min of R alternating calls of each (each returning its whole Rollout to the host), five shapes.
+in one process: the min of R alternating calls of each (each returning its whole Rollout to the host), and the
+median and quartiles of the R paired ratios (each slot call against the static call just before it: steadier than
+the ratio of the mins on a machine whose speed drifts), five shapes.
 
     python benchmarks/bench_grpo_slots.py [--quick] [--wait-idle SECONDS] [--out FILE]
 
@@ -20,6 +22,9 @@ import time
 SHAPES = {"quick_g8": (8, 8, 32, 32, 64, 2, None), "quick_g8_512_rows": (64, 8, 32, 32, 64, 2, None),
           "demo_g8": (128, 8, 64, 64, 96, 2, None), "trl_small": (8, 8, 16, 32, 128, 4, 2),
           "trl_realistic": (8, 8, 128, 128, 128, 4, 2)}
+
+# alternating calls of each sampler per shape: ~20 s of calls each (a quick_g8 call lasts ~20 ms, a realistic ~0.3 s)
+REPEATS = {"quick_g8": 61, "quick_g8_512_rows": 25, "demo_g8": 9, "trl_small": 41, "trl_realistic": 15}
 
 
 def bench(P: int, G: int, Tp: int, N: int, hidden: int, layers: int, stop: int | None, repeats: int) -> dict:
@@ -63,8 +68,12 @@ def bench(P: int, G: int, Tp: int, N: int, hidden: int, layers: int, stop: int |
                 fn()
                 times[name].append(time.perf_counter() - t0)
     best = {k: min(v) for k, v in times.items()}
+    paired = np.array(times["static"]) / np.array(times["slots"])   # each call against the static call before it
     return {"rows": P * G, "prompt_len": Tp, "new_tokens": N, "static_s": best["static"], "slots_s": best["slots"],
-            "slots_vs_static": best["static"] / best["slots"], "first_call_s": first,
+            "slots_vs_static": best["static"] / best["slots"],
+            "slots_vs_static_paired": {"median": float(np.median(paired)),
+                                       "quartiles": [float(q) for q in np.percentile(paired, [25, 75])]},
+            "first_call_s": first,
             "shared_prompts": stats.get("shared_prompts"), "rungs": stats.get("rungs"), "load": load}
 
 
@@ -74,7 +83,7 @@ def run(quick: bool = False) -> dict:
     shapes = {"quick_g8": SHAPES["quick_g8"]} if quick else SHAPES
     out = {"benchmark": "grpo_slots", "quick": quick,
            "mrl_jax": os.path.dirname(os.path.dirname(os.path.abspath(mrl_jax.__file__))),
-           "results": {name: bench(*shape, repeats=3 if quick else 7) for name, shape in shapes.items()}}
+           "results": {name: bench(*shape, repeats=3 if quick else REPEATS[name]) for name, shape in shapes.items()}}
     out["contended"] = any(r["load"]["contended"] for r in out["results"].values())
     return out
 

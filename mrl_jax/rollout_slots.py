@@ -62,8 +62,8 @@ from mrl_jax.models import splash
 from mrl_jax.models.slot_cache import SlotCache, take_blocks
 from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
 from mrl_jax.sampling import sample_rows
-from mrl_jax.slot_ladder import (Ladder, ladder, ladder_row_steps, min_row_steps, paged_layout,  # noqa: F401
-                                  ragged, rungs, slot_count)
+from mrl_jax.slot_ladder import (Ladder, graph_token, ladder, ladder_row_steps, min_row_steps,  # noqa: F401
+                                  paged_layout, ragged, rungs, slot_count)
 
 __all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "round_program", "trace_count", "slot_count",
            "min_row_steps", "ladder_row_steps", "Ladder", "ladder", "rungs", "ragged", "paged_layout"]
@@ -98,9 +98,9 @@ class _Prompts:
 
 @struct.dataclass
 class _State:
-    """Slots: row int32[S] (-1 free), step int32[S] (the token index it samples next), tok int32[S] (the token it
-    feeds); t: decode steps run; work: row-steps run (S per decode step); ptr: queue rows taken; outputs
-    tokens [B, N], logps [B, N, 2], mask [B, N], ended bool[B] (stop id seen)."""
+    """Slots: row int32[S] (-1 free), step int32[S] (the token index it samples next; shared prompts: not kept, every
+    slot at t + 1), tok int32[S] (the token it feeds); t: decode steps run; work: row-steps run (S per decode step);
+    ptr: queue rows taken; outputs tokens [B, N], logps [B, N, 2], mask [B, N], ended bool[B] (stop id seen)."""
 
     cache: SlotCache
     row: jax.Array
@@ -158,7 +158,10 @@ def _positions(p: _Prompts, st: _State, g: int) -> _State:
     a free slot 0 (it feeds row 0's token at position 0: it writes at most an entry that a row entering rewrites,
     and attends over one entry, so a length-aware kernel (TPU) reads one page of it, not a finished row's length).
     Set once per step for the next and carried, so the decode step's masks read it (computed inside the step,
-    XLA:CPU fused its arithmetic into every layer's softmax)."""
+    XLA:CPU fused its arithmetic into every layer's softmax). Shared prompts: every slot at step t + 1, so its
+    prompt length + t, live or not (a free slot's row has ended: what it computes is never written back)."""
+    if st.cache.group:
+        return st.replace(cache=st.cache.replace(qpos=st.cache.plen + st.t))
     qpos = jnp.where(st.row >= 0, p.plen[jnp.maximum(st.row, 0) // g] + st.step - 1, 0)   # a live slot's step < N
     return st.replace(cache=st.cache.replace(qpos=qpos))
 
@@ -200,7 +203,8 @@ def _step(model, p: _Prompts, st: _State, config: SamplingConfig, g: int) -> _St
     hit = (jnp.any(tok[:, None] == jnp.asarray(config.eos_ids, jnp.int32)[None], -1) if config.eos_ids
            else jnp.zeros_like(live))
     out = jnp.where(live, st.row, b)   # the rows written (b: dropped)
-    st = st.replace(cache=cache, row=jnp.where(live & (hit | (i >= n - 1)), -1, st.row), step=st.step + 1, tok=tok,
+    st = st.replace(cache=cache, row=jnp.where(live & (hit | (i >= n - 1)), -1, st.row),
+                    step=st.step if shared else st.step + 1, tok=tok,
                     t=st.t + 1, work=st.work + st.row.shape[0])
     if shared:
         def put(x, new, fill):   # column i in place: the live rows' entries; the others' stay as the round began
@@ -316,7 +320,8 @@ def _compact(prompts: _Prompts, state: _State, *, slots: int, rows=None) -> _Sta
     cache = state.cache
     if cache.group:
         cache = cache.replace(pk=prompts.pk, pv=prompts.pv)
-    return _constrain(state.replace(cache=cache.take(local), row=take(state.row, -1), step=take(state.step),
+    step = jnp.full((slots,), state.t + 1, jnp.int32) if cache.group else take(state.step)   # shared: all at t + 1
+    return _constrain(state.replace(cache=cache.take(local), row=take(state.row, -1), step=step,
                                     tok=take(state.tok)), rows)
 
 
@@ -376,14 +381,15 @@ _PROGRAMS: dict = {}
 
 
 def _program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, admit: int, rows) -> Callable:
-    """:func:`round_program` once per process and sampler shape (one dict lookup: hashing a GraphDef walks the
-    model's graph), launched in lockstep by every process of a mesh spanning processes (`mrl_jax.mwra.lockstep`)."""
-    key = (graphdef, config, g, rungs, width, admit, rows)
+    """:func:`round_program` once per process and sampler shape (the GraphDef found by identity:
+    :func:`~mrl_jax.slot_ladder.graph_token`), launched in lockstep by every process of a mesh spanning processes
+    (`mrl_jax.mwra.lockstep`)."""
+    key = (graph_token(graphdef), config, g, rungs, width, admit, rows)
     found = _PROGRAMS.get(key)
     if found is None:
         from mrl_jax.mwra import lockstep
 
-        found = round_program(*key)
+        found = round_program(graphdef, *key[1:])
         found = _PROGRAMS[key] = found if rows is None else lockstep(rows.mesh, found)
     return found
 

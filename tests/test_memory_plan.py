@@ -19,7 +19,7 @@ from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, device_use, devices_needed, largest_fitting,
                                       over_limit, tree_bytes)
-from mrl_jax.slot_ladder import SHORT
+from mrl_jax.slot_ladder import SHORT, graph_token
 from mrl_jax.trainer import memory
 from mrl_jax.trainer.run import Run
 
@@ -306,7 +306,7 @@ def test_the_samplers_figure_is_the_program_it_runs(planned, new, part):
     ids = np.ones((P, Tp), np.int32)
     memory.rollout_slots.generate_slots(pol.graphdef, params, ids, ids > 0, jax.random.key(0), pol.sampling,
                                         num_samples=G, slots=S, mesh=mesh, shrink=pol.spec.sampling.ladder)
-    (key,) = [k for k in memory.rollout_slots._PROGRAMS if k[0] is pol.graphdef and k[1] == pol.sampling and
+    (key,) = [k for k in memory.rollout_slots._PROGRAMS if k[0] == graph_token(pol.graphdef) and k[1] == pol.sampling and
               k[3][0] == S]
     assert (len(key[3]) > 1) == (new > SHORT and part == 1) and (key[5] > 0) == (part > 1), key[3:6]   # rungs, admit
     repl = NamedSharding(mesh, mwra.REPLICATED)

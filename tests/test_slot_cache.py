@@ -120,7 +120,7 @@ def test_the_heads_layout_in_parts_reads_the_parts_up_to_the_furthest_slot(at):
 def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(window, softcap, at):
     """P 2 prompts x G 3 slots sharing the prompt store (prompt 1 shorter than the store: its last entries are
     junk a slot must not see), generated entries in three parts (spans(20, 4)), the live slots at generated entry
-    ``at`` (the first, a part's end, the last: shared prompts keep every live slot at one entry), one slot free:
+    ``at`` (the first, a part's end, the last: shared prompts keep every slot at one entry), one slot free:
     each live slot's step writes its entry and equals the reference over its own copy of its prompt then its
     generated entries (sliding window and soft-cap crossing the prompt's end). ``take`` moves 3 of the slots (and
     an empty one) out unshared: each one's prompt in front of its generated entries, and the same step over them
@@ -141,8 +141,8 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
     for e in range(n):   # every slot writes its generated entry e at position plen + e
         cache = cache.replace(qpos=jnp.asarray(base + e, jnp.int32)).write(
             0, jnp.asarray(gen_k[:, e:e + 1], jnp.float32), jnp.asarray(gen_v[:, e:e + 1], jnp.float32))
-    at = np.array([at] * (S - 1) + [-1])   # slot 5 free: it steps at position 0, entry -plen
-    qpos = np.where(at >= 0, base + at, 0)
+    qpos = base + at   # every slot at entry ``at``: slot 5's row has ended, it steps with the others
+    at = np.array([at] * (S - 1) + [-1])   # slot 5 free
     new_k, new_v, q = rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, K, D)), rng.normal(size=(S, 1, H, D))
     live = at >= 0
     gen_k[live, at[live]], gen_v[live, at[live]] = new_k[live, 0], new_v[live, 0]
@@ -158,7 +158,9 @@ def test_shared_prompts_attend_as_each_slots_own_copy_and_move_out_with_it(windo
             *args, c)
 
     cache = cache.replace(qpos=jnp.asarray(qpos, jnp.int32))
-    assert int(cache.step_masks(None).span) == int(np.searchsorted([5, 10, 20], at.max(), side="right"))
+    masks = cache.step_masks(None)
+    assert int(masks.span) == int(np.searchsorted([5, 10, 20], at.max(), side="right"))
+    assert int(cache.shared_entry) == at.max() and masks.visible.shape == (1, n)   # one row of columns for all
     out, cache = step(cache)
     ref = _reference(q[:, 0], full_k, full_v, qpos, 0.3, softcap, window)
     np.testing.assert_allclose(np.asarray(out)[live, 0], ref[live], atol=1e-5)

@@ -14,8 +14,8 @@ to keep. Two layouts, per layer:
   ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads short spans, as the
   static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a sliced operand
   before a matmul: a slice per step cost more than the entries it saved). **Shared prompts** (``group`` G > 0: a
-  slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G), every live slot at
-  the same entry: all enter at step 1 and none refills): the parts hold the generated entries only, a step writes
+  slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G), every slot at the
+  same entry: all enter at step 1, none refills, and a free slot steps with the live ones): the parts hold the generated entries only, a step writes
   one column of every slot (a dynamic-update-slice, as the static sampler's), and it reads each prompt's entries
   from the sampler's prompt store (keys [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` /
   ``pv``) once for its G slots (one [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts'
@@ -64,11 +64,11 @@ def spans(length: int, smallest: int = SPAN) -> tuple[int, ...]:
 @struct.dataclass
 class SlotMask:
     """A decode step's mask over a SlotCache: visible bool[S, C] over each slot's columns (a prompt column c seen
-    below its prompt's length, a generated entry up to the slot's own; both within the sliding window); prompt
-    (shared prompts; else None) the prompt store's entries seen: bool[P, Tc], those below each prompt's length (a
-    live slot's position is past them), or with a sliding window bool[P, G, Tc], per slot; span int32: how many
-    parts the step reads, less one (the first part end past every slot's column); window: the layer's sliding
-    window (static; None: none)."""
+    below its prompt's length, a generated entry up to the slot's own; both within the sliding window), shared
+    prompts bool[1, C] (every slot at one entry); prompt (shared prompts; else None) the prompt store's entries
+    seen: bool[P, Tc], those below each prompt's length (a live slot's position is past them), or with a sliding
+    window bool[P, G, Tc], per slot; span int32: how many parts the step reads, less one (the first part end past
+    every slot's column); window: the layer's sliding window (static; None: none)."""
 
     visible: jax.Array
     span: jax.Array
@@ -83,7 +83,7 @@ class SlotCache:
     int32[S]: its row's prompt length (the position of generated entry 0; ``pages``: 0); pk, pv: the shared
     prompt store, L x [P, K, D, Tc] / [P, K, Tc, D], attached for a step or a move (else ()); paged: the ``pages``
     layout; width: the prompt columns leading the first part (``heads`` without shared prompts; else 0); group: G
-    slots per prompt sharing its entries, every live slot at one entry (0: none)."""
+    slots per prompt sharing its entries, every slot at one entry (:attr:`shared_entry`; 0: none)."""
 
     k: tuple
     v: tuple
@@ -137,6 +137,12 @@ class SlotCache:
         shared-prompt cache, which steps at position 0: it writes nothing); its column is ``width`` + entry."""
         return self.qpos - self.plen
 
+    @property
+    def shared_entry(self) -> jax.Array:
+        """int32: the generated entry every slot of a shared-prompt cache (``group``) is at: the sampler steps its
+        free slots with the live ones (a free slot's row has ended; what it computes is never read back)."""
+        return self.qpos[0] - self.plen[0]
+
     def _slot_major(self, x):
         """A pages-layout array as [K, S, C, D] (a view: each slot owns consecutive pages)."""
         return x.reshape(x.shape[0], self.slots, self.length, x.shape[-1])
@@ -151,7 +157,8 @@ class SlotCache:
             return out if window is None else out & (e > q - window)
 
         c = jnp.arange(self.length, dtype=jnp.int32)[None, :]
-        at, qpos, plen = self.entry[:, None], self.qpos[:, None], self.plen[:, None]
+        at = self.shared_entry[None, None] if self.group else self.entry[:, None]   # shared: one row of columns
+        qpos, plen = self.qpos[:, None], self.plen[:, None]
         visible = seen(c - self.width, at)
         if self.width:   # the prompt's columns lead the first part
             visible = jnp.where(c < self.width, seen(c, qpos) & (c < plen), visible)
@@ -161,7 +168,7 @@ class SlotCache:
             prompt = t[None, :] < self.plen[::self.group, None]   # [P, Tc]: a prompt's G slots share its length
             if window is not None:
                 prompt = prompt[:, None, :] & (t > self.qpos.reshape(-1, self.group)[:, :, None] - window)
-        span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(self.entry) + self.width, dtype=jnp.int32)
+        span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(at) + self.width, dtype=jnp.int32)
         return SlotMask(visible=visible, span=span, prompt=prompt, window=window)
 
     def load(self, slots: jax.Array, keys: tuple, values: tuple, lengths: jax.Array) -> "SlotCache":
@@ -207,7 +214,7 @@ class SlotCache:
 
     def write(self, layer: int, k: jax.Array, v: jax.Array) -> "SlotCache":
         """The step's keys / values [S, 1, K, D] at column ``width`` + :attr:`entry` of every slot, in layer
-        ``layer`` (shared prompts: the live slots' one entry, in every slot -- a free one's row has ended)."""
+        ``layer`` (shared prompts: :attr:`shared_entry`, in every slot -- a free one's row has ended)."""
         dtype = jax.tree.leaves(self.k[layer])[0].dtype
         k, v = k[:, 0].astype(dtype), v[:, 0].astype(dtype)   # [S, K, D]
 
@@ -232,11 +239,11 @@ class SlotCache:
                 return x.at[(slice(None),) * axis + (at,)].set(new, mode="drop")
             return jax.vmap(one)
 
-        entry = self.entry
-        if self.group:   # every live slot at one entry: one column of every slot, written in place
-            at = jnp.max(entry)
+        if self.group:   # every slot at one entry: one column of every slot, written in place
+            at = self.shared_entry
             return self.replace(k=_set(self.k, layer, _put_column(self.k[layer], k[..., None], at, 3)),
                                 v=_set(self.v, layer, _put_column(self.v[layer], v[:, :, None], at, 2)))
+        entry = self.entry
         col = jnp.where(entry < 0, -1 - self.length, entry + self.width)
         starts = (0,) + self.ends[:-1]
         nk = tuple(put_part(2)(x, k, col - lo) for x, lo in zip(self.k[layer], starts))
