@@ -134,7 +134,8 @@ def test_a_round_is_one_program_holding_every_rung(llama):
     g, p, ids, mask = llama
 
     def program(cfg, slots=36):   # the memoised round program of this config at S = slots, and its rungs
-        (k,) = [k for k in rollout_slots._PROGRAMS if k[0] == graph_token(g) and k[1] == cfg and k[3][0] == slots]
+        (k,) = [k for k in rollout_slots._PROGRAMS
+                if k[0] == graph_token(g) and k[1] == cfg and k[3][0] == slots]
         return rollout_slots._PROGRAMS[k], k[3]
 
     for n, guard in ((39, "allow"), (37, "disallow")):
@@ -339,7 +340,8 @@ def test_no_refill_where_no_row_can_queue(llama):
 
     def conds(slots):   # conditionals in the round's program
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
-        (prog,) = [v for k, v in rollout_slots._PROGRAMS.items() if k[0] == graph_token(g) and k[1] == cfg and k[3] == ladder(slots)]
+        (prog,) = [v for k, v in rollout_slots._PROGRAMS.items()
+                   if k[0] == graph_token(g) and k[1] == cfg and k[3] == ladder(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
     every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
     per_rung = every_row // 3

@@ -15,8 +15,9 @@ to keep. Two layouts, per layer:
   static sampler's length buckets do, without copying a slice of the cache (XLA:CPU copies a sliced operand
   before a matmul: a slice per step cost more than the entries it saved). **Shared prompts** (``group`` G > 0: a
   slot per row, slot s decoding row s, the G rows of prompt p in slots [p * G, (p + 1) * G), every slot at the
-  same entry: all enter at step 1, none refills, and a free slot steps with the live ones): the parts hold the generated entries only, a step writes
-  one column of every slot (a dynamic-update-slice, as the static sampler's), and it reads each prompt's entries
+  same entry: all enter at step 1, none refills, and a free slot steps with the live ones): the parts hold the
+  generated entries only, a step writes one column of every slot (a dynamic-update-slice, as the static
+  sampler's), and it reads each prompt's entries
   from the sampler's prompt store (keys [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` /
   ``pv``) once for its G slots (one [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts'
   softmax by the maxes, as the static sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front
@@ -133,8 +134,8 @@ class SlotCache:
 
     @property
     def entry(self) -> jax.Array:
-        """int32[S]: the generated entry each slot's step writes, qpos - plen (negative for a free slot of a
-        shared-prompt cache, which steps at position 0: it writes nothing); its column is ``width`` + entry."""
+        """int32[S]: the generated entry each slot's step writes, qpos - plen (negative for a free slot stepping at
+        position 0: it writes nothing); its column is ``width`` + entry."""
         return self.qpos - self.plen
 
     @property
