@@ -306,8 +306,9 @@ def test_the_samplers_figure_is_the_program_it_runs(planned, new, part):
     ids = np.ones((P, Tp), np.int32)
     memory.rollout_slots.generate_slots(pol.graphdef, params, ids, ids > 0, jax.random.key(0), pol.sampling,
                                         num_samples=G, slots=S, mesh=mesh, shrink=pol.spec.sampling.ladder)
-    (key,) = [k for k in memory.rollout_slots._PROGRAMS if k[0] == graph_token(pol.graphdef) and k[1] == pol.sampling and
-              k[3][0] == S]
+    (key,) = [k for k in memory.rollout_slots._PROGRAMS   # equal GraphDefs share a token: the round's width and mesh
+              if k[0] == graph_token(pol.graphdef) and k[1:3] == (pol.sampling, G) and k[3][0] == S and k[4] == Tp
+              and k[6] == mwra.row_sharding(mesh)]
     assert (len(key[3]) > 1) == (new > SHORT and part == 1) and (key[5] > 0) == (part > 1), key[3:6]   # rungs, admit
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (np.int32, np.bool_))
