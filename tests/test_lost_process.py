@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import support
@@ -39,6 +40,29 @@ def test_the_survivor_of_a_dead_process_prints_one_line_and_exits_75(tmp_path):
         assert "process 1 of 2 stopped answering" in lines[0]
         assert f"checkpoint of round 4 in {tmp_path / 'checkpoints'} is intact" in lines[0]
         assert "Terminating process" not in err and "process 0 done" not in err
+
+
+def test_a_native_abort_after_a_peer_died_still_ends_in_the_line_and_75(tmp_path):
+    """A thread of process 0 aborts (libc ``abort``: gloo's ``std::terminate`` when a collective's peer is killed
+    under it, which Python cannot catch) half a second after process 1 died: the abort is held until the watchdog
+    names process 1 and exits 75 (without `mwra.hold_aborts` the process died with -6 and no line)."""
+    (code, err), _ = _run_two("abort0", tmp_path)
+    lines = [ln for ln in err.splitlines() if ln.startswith("mrl train: process 1 of 2 stopped answering")]
+    assert code == mwra.LOST_EXIT_CODE and len(lines) == 1, (code, err[-3000:])
+    assert "mrl train: a native abort" in err and "process 0 done" not in err
+
+
+def test_an_abort_is_held_only_for_its_wait(tmp_path):
+    """Where no watchdog ends the process, a held abort goes on after its wait: exit -6 (SIGABRT), not a hang."""
+    script = ("import ctypes, threading, time\n"
+              "from mrl_jax.mwra import distributed\n"
+              "distributed.hold_aborts(1.0)\n"
+              "threading.Thread(target=ctypes.CDLL(None).abort).start()\n"
+              "time.sleep(30)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -6 and "waiting up to 1 s" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert 1.0 <= time.monotonic() - t0 < 25
 
 
 def test_processes_that_finish_apart_both_end_with_0(tmp_path):

@@ -287,6 +287,38 @@ def watch_run(out_dir) -> None:
 
     _WATCH["thread"] = threading.Thread(target=watch, name="mrl-watch", daemon=True)
     _WATCH["thread"].start()
+    hold_aborts(_WATCH["heartbeat_s"] + 5 * WATCH_PERIOD_S)
+
+
+def hold_aborts(wait_s: float) -> None:
+    """Hold a native abort (SIGABRT) for up to ``wait_s`` while the watchdog runs. A peer killed in the middle of
+    a collective can make gloo ``std::terminate`` this process from its own thread ("op.preamble.length <=
+    op.nbytes": the ranks no longer agree on which collective they are in), which no Python code can catch. The
+    aborting thread waits instead, so the watchdog can name the lost process and exit with `LOST_EXIT_CODE`;
+    past ``wait_s``, or once the watchdog stopped (the run is leaving), the abort goes on. A no-op where libc's
+    ``signal`` cannot be reached."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, handler_type], ctypes.c_void_p
+    except (OSError, AttributeError):
+        return
+
+    def held(signum):
+        if not _WATCH["closing"].is_set():
+            os.write(2, f"mrl train: a native abort (a collective whose peer died?); waiting up to {wait_s:.0f} s "
+                        "for the lost-process check\n".encode())
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not _WATCH["closing"].is_set():
+                time.sleep(0.1)
+        libc.signal(signum, handler_type(0))   # SIG_DFL: the abort goes on
+        getattr(libc, "raise")(signum)
+
+    _WATCH["abort_handler"] = handler_type(held)   # kept alive as long as it is installed
+    libc.signal(signal.SIGABRT, _WATCH["abort_handler"])
 
 
 def _leave() -> None:
