@@ -264,8 +264,8 @@ class SlotCache:
 
 def _put_column(parts: tuple, new: jax.Array, col: jax.Array, axis: int) -> tuple:
     """Column ``col`` (int32, of the parts laid end to end along ``axis``) of every slot set to ``new`` (the column's
-    shape): a dynamic-update-slice in the part holding it; the others, and a negative ``col`` (no live slot),
-    rewrite their own column at the clamped index."""
+    shape): a dynamic-update-slice in the part holding it; the others rewrite their own column at the clamped
+    index."""
     out, lo = [], 0
     for x in parts:
         w = x.shape[axis]
