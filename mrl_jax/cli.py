@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, type=Path, help="YAML run config (see `mrl config-help`)")
     plan.add_argument("--topology", required=True, metavar="NAME",
                       help="a TPU slice: v5e-8, v5p-16, v6e-8, v4-8, ... or a topology string such as v5e:2x4")
+    plan.add_argument("--mean-completion", type=float, default=None, metavar="N",
+                      help="also estimate the round at completions of N tokens on average (long tails: the update "
+                      "still pads to the completion length)")
     plan.add_argument("--out", type=Path, default=None,
                       help="also write summary.json (the plan as data) and plan.txt (the report) here")
 
@@ -184,8 +187,10 @@ def _plan(args) -> int:
     from mrl_jax.trainer.config import load_run_config
     from mrl_jax.trainer.tpu_plan import plan_for_topology
 
+    if args.mean_completion is not None and not args.mean_completion >= 1:
+        raise ConfigError(f"--mean-completion: the mean completion is a token count >= 1, got {args.mean_completion:g}")
     show_plan_progress()
-    report = plan_for_topology(load_run_config(args.config), args.topology)
+    report = plan_for_topology(load_run_config(args.config), args.topology, mean_completion=args.mean_completion)
     print(report)
     if args.out is not None:
         _write_summary(args.out, report.to_dict())

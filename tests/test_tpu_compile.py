@@ -48,6 +48,7 @@ def test_tiny_round_compiles_for_tpu_with_the_kernels():
             "print(json.dumps({'fits': report.fits, 'text': str(report), 'hbm': report.hbm_per_device,\n"
             "    'platform': report.plan.platform, 'devices': [list(p.device_ids) for p in report.plan.policies],\n"
             "    'param_count': [p.param_count for p in report.plan.policies],\n"
+            "    'time': json.loads(json.dumps(report.to_dict()['time'])),\n"
             "    'figures': [dict(params=f.params, update_kernels=f.update.kernels, sampler_kernels=f.sampler.kernels,\n"
             "                     update_temp=f.update.temp, sampler_temp=f.sampler.temp, seconds=s)\n"
             "                for f, s in zip(report.memory.figures, report.memory.compile_seconds)]}))\n")
@@ -55,6 +56,16 @@ def test_tiny_round_compiles_for_tpu_with_the_kernels():
     assert report["fits"], report["text"]
     assert report["devices"] == [[0, 1, 2, 3], [4, 5]]
     assert report["hbm"] == 16 << 30 and report["platform"] == "tpu"
+    time = report["time"]        # XLA:TPU's estimate of every phase, in the report and in plan.json
+    assert time["estimate"] == "XLA:TPU cost model" and time["round_seconds"] > 0
+    assert "XLA:TPU's estimate from this machine, not a measurement" in report["text"]
+    for name, t in time["policies"].items():
+        assert t["update_seconds"] > 0 and t["prefill_seconds"] > 0 and t["decode_step_seconds"] > 0, name
+        assert t["round_seconds"] == pytest.approx(t["update_seconds"] + t["prefill_seconds"]
+                                                   + t["decode_steps"] * t["decode_step_seconds"])
+        assert t["decode_steps"] == 5 and 0 <= t["idle_fraction"] < 1   # 6-token completions, a slot per row
+        assert t["update"]["pallas"] > 0                                # the splash kernels priced
+    assert min(t["idle_fraction"] for t in time["policies"].values()) == 0.0
     for f in report["figures"]:
         assert f["update_kernels"] > 0 and f["sampler_kernels"] > 0, f"{f}: no Pallas kernel compiled"
         assert f["update_temp"] > 0 and f["sampler_temp"] > 0

@@ -24,8 +24,9 @@ estimate: it checks the compiled steps' own figures (`mrl_jax.mwra.memory_plan`,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -361,6 +362,29 @@ def tpu_mesh_sizes(sizes: Sequence[int], costs: Sequence[float], total: int) -> 
             return out
         k = max(grow, key=lambda j: (costs[j] / out[j], -j))
         out[k], left = out[k] + steps[k], left - steps[k]
+
+
+class Allocation(NamedTuple):
+    """Devices per policy (disjoint sub-meshes, each a divisor of the slice) and the round's seconds there."""
+
+    sizes: tuple
+    round_seconds: float
+
+
+def allocations_by_time(seconds: Callable[[int, int], Optional[float]], policies: int, total: int) -> list:
+    """Every allocation of disjoint sub-meshes whose sizes divide ``total`` (and sum to at most it), by the
+    synchronous round's time ascending: the slowest policy's ``seconds(policy, size)`` (None: does not fit at that
+    size, so no allocation gives it that size). Ties go to the allocation using fewer devices, then the earlier
+    sizes in order."""
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    found = []
+    for sizes in itertools.product(divisors, repeat=policies):
+        if sum(sizes) > total:
+            continue
+        times = [seconds(i, n) for i, n in enumerate(sizes)]
+        if all(t is not None for t in times):
+            found.append(Allocation(sizes=tuple(sizes), round_seconds=max(times)))
+    return sorted(found, key=lambda a: (a.round_seconds, sum(a.sizes), a.sizes))
 
 
 def _not_a_divisor_on_tpu(k: int, size: int, total: int, names) -> PlanError:

@@ -224,20 +224,30 @@ def _parse_instr(line: str) -> Optional[_Instr]:
 
 
 def _computations(text: str) -> tuple[dict, str]:
-    """({computation name: [instructions]}, the entry computation's name)."""
-    comps, entry, current = {}, None, None
+    """({computation name: [instructions]}, the entry computation's name). An instruction may span lines (a
+    kernel's metadata): a line that starts neither an instruction nor a computation's end continues the last."""
+    comps, entry, current, pending = {}, None, None, []
+
+    def flush():
+        if pending:
+            ins = _parse_instr(" ".join(pending))
+            if ins is not None:
+                current.append(ins)
+            pending.clear()
     for line in text.splitlines():
         if current is None:
             m = _HEADER.match(line)
             if m:
                 current = comps.setdefault(m.group(2), [])
                 entry = m.group(2) if m.group(1) else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
+            flush()
             current = None
-        else:
-            ins = _parse_instr(line)
-            if ins is not None:
-                current.append(ins)
+        elif _INSTR.match(line):
+            flush()
+            pending.append(line)
+        elif pending:
+            pending.append(line)
     return comps, entry
 
 

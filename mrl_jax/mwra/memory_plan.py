@@ -20,6 +20,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 
+from mrl_jax.mwra import cost_model
+
 _GIB = float(1 << 30)   # GiB, the unit of mwra.memory_gb
 
 
@@ -27,7 +29,8 @@ class StepMemory(NamedTuple):
     """``compiled.memory_analysis()`` of one step, bytes per device; ``kernels``: the Pallas (Mosaic) TPU kernel
     calls in the compiled program (0 on other backends). XLA:TPU refuses to compile a program whose temporaries
     exceed the chip's HBM: then ``exhausted`` is set, ``temp`` is the figure its error names and ``args`` the
-    arguments' bytes."""
+    arguments' bytes. ``time``: XLA:TPU's estimate of the program's time per device (`mwra.cost_model.StepTime`;
+    None off TPU or when refused)."""
 
     args: int
     out: int
@@ -35,6 +38,11 @@ class StepMemory(NamedTuple):
     alias: int
     kernels: int = 0
     exhausted: bool = False   # the compiler refused the program (more than the device holds): temp from its error
+    time: Optional[object] = None   # mwra.cost_model.StepTime
+
+    def figures(self) -> dict:
+        """The bytes (and ``kernels``, ``exhausted``) as a JSON-ready dict; the time is reported apart."""
+        return {k: v for k, v in self._asdict().items() if k != "time"}
 
     @property
     def peak(self) -> int:
@@ -61,9 +69,16 @@ def compiled_memory(lowered, args) -> tuple:
     mem = compiled.memory_analysis()
     if mem is None:
         return compiled, None
-    kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"') if _on_tpu(args) else 0
+    device = _tpu_device(args)
+    kernels, time = 0, None
+    if device is not None:
+        text = compiled.as_text()
+        kernels = text.count('custom_call_target="tpu_custom_call"')
+        chip = cost_model.for_device(device)
+        time = None if chip is None else cost_model.estimate(text, chip)
     return compiled, StepMemory(args=int(mem.argument_size_in_bytes), out=int(mem.output_size_in_bytes),
-                                temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels)
+                                temp=int(mem.temp_size_in_bytes), alias=int(mem.alias_size_in_bytes), kernels=kernels,
+                                time=time)
 
 
 _EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT]?)\)", re.S)
@@ -87,9 +102,11 @@ def exhausted_bytes(message: str, args: int = 0) -> Optional[int]:
     return None
 
 
-def _on_tpu(args) -> bool:
+def _tpu_device(args):
+    """A TPU device ``args`` are placed on, else None."""
     leaf = next((x for x in jax.tree.leaves(args) if getattr(x, "sharding", None) is not None), None)
-    return leaf is not None and next(iter(leaf.sharding.device_set)).platform == "tpu"
+    device = None if leaf is None else next(iter(leaf.sharding.device_set))
+    return device if device is not None and device.platform == "tpu" else None
 
 
 def tree_bytes(tree) -> int:
@@ -137,9 +154,9 @@ class PolicyMemory:
 
     def to_dict(self) -> dict:
         out = {"params_bytes": self.params, "optimizer_bytes": self.optimizer, "reference_bytes": self.reference,
-               "update": self.update._asdict(), "total_bytes": self.total}
+               "update": self.update.figures(), "total_bytes": self.total}
         if self.sampler is not None:
-            out["sampler"] = self.sampler._asdict()
+            out["sampler"] = self.sampler.figures()
         if self.slots is not None:
             out["sampler_slots"] = self.slots
         return out

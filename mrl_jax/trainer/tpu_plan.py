@@ -4,7 +4,10 @@ The run is built abstractly (`Run(abstract=True)`: tiny models from their shapes
 ``config.json``, no weights), MWRA plans it onto the topology's devices (`mrl_jax.mwra.tpu`), and every
 policy's update and sampler are lowered on abstract inputs of the round's shapes and compiled by XLA:TPU
 (libtpu), whose ``memory_analysis()`` gives the exact bytes per chip. Against the chip's HBM each policy gets a
-verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`).
+verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`). The
+same compile prices every program (`mrl_jax.mwra.cost_model`): each policy's update, prefill and decode step, the
+round's time at the configured completion length and at a given mean, MFU and the idle fraction per sub-mesh
+(`mrl_jax.trainer.time_plan`) -- XLA:TPU's estimate, never a measurement.
 
 On a TPU topology ``model.attention: auto`` is the Pallas splash kernel (`mrl_jax.models.splash`) for the
 update's attention (the prompt-once-per-group layout and causal rows) and the sampler's prefill, and the Pallas
@@ -14,18 +17,28 @@ window whose head dim is a multiple of 128; ours for the rest). The report names
     report = plan_for_topology(cfg, "v5e-8")
     print(report)          # per policy and chip: params, optimizer, reference, update / sampler peak, HBM, verdict
     report.fits            # False: ``report.memory.misfits`` holds the fixes, one line per policy
+    report.time.seconds    # the round's estimated seconds (None where a program was refused as over the HBM)
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
+
+import jax
+import numpy as np
+from flax import nnx
 
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import resolve_attention
 from mrl_jax.mwra import tpu
-from mrl_jax.mwra.memory_plan import device_use
+from mrl_jax.mwra.allocation import allocations_by_time
+from mrl_jax.mwra.memory_plan import device_use, tree_bytes
 from mrl_jax.trainer.config import RunConfig
-from mrl_jax.trainer.memory import MemoryPlan, compile_plan
+from mrl_jax.mwra.cost_model import for_device
+from mrl_jax.trainer.memory import MemoryPlan, compile_plan, prompt_width
 from mrl_jax.trainer.run import Run
+from mrl_jax.trainer.time_plan import PolicyTime, RoundShape, RoundTime, round_time, scaled_round_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +51,8 @@ class TopologyPlan:
     plan: object              # mwra.Plan
     memory: MemoryPlan
     attention: tuple          # per policy: "splash" | "dense" | "blockwise" | "auto"
+    time: Optional[RoundTime] = None   # XLA:TPU's estimate; None where a program was refused (over the HBM)
+    allocations: tuple = ()   # mwra.Allocation by estimated round time, the chosen first (none searched: ())
 
     @property
     def fits(self) -> bool:
@@ -65,6 +80,13 @@ class TopologyPlan:
         use = self._per_device()
         worst = max(use, key=use.get)
         lines.append(f"most loaded device: {worst} with {size(use[worst])} of {size(self.hbm_per_device)}")
+        lines.extend(self.time.lines() if self.time is not None else
+                     ["time per round: not estimated (a program over the HBM was not compiled)"])
+        if self.allocations:
+            best, *rest = self.allocations
+            lines.append(f"sub-meshes by estimated round time: {_sizes(best.sizes)} (compiled above)"
+                         + ("; next best, scaled from the first compile: " + ", ".join(
+                             f"{_sizes(a.sizes)} {a.round_seconds:.3g} s" for a in rest[:4]) if rest else ""))
         lines.append("verdict: fits" if self.fits else "verdict: does not fit\n" + "\n".join(self.memory.misfits))
         return "\n".join(lines)
 
@@ -73,7 +95,14 @@ class TopologyPlan:
                 "fits": self.fits, "plan": self.plan.to_dict(), "memory": self.memory.to_dict(),
                 "attention": {f.name: a for f, a in zip(self.memory.figures, self.attention)},
                 "compile_seconds": {f.name: s for f, s in zip(self.memory.figures, self.memory.compile_seconds)},
-                "device_bytes": {str(k): v for k, v in self._per_device().items()}}
+                "device_bytes": {str(k): v for k, v in self._per_device().items()},
+                "time": None if self.time is None else self.time.to_dict(),
+                "allocations_by_time": [{"devices": dict(zip([f.name for f in self.memory.figures], a.sizes)),
+                                         "round_seconds": a.round_seconds} for a in self.allocations]}
+
+
+def _sizes(sizes) -> str:
+    return "devices " + " + ".join(str(n) for n in sizes)
 
 
 def size(b: float) -> str:
@@ -103,22 +132,81 @@ def resolve_topology(name: str, key: str = "--topology") -> tpu.Topology:
         raise ConfigError(f"{key}: {e}") from None
 
 
-def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology") -> TopologyPlan:
-    """``cfg`` planned and compiled for TPU topology ``name`` (see module doc). ``ConfigError`` naming ``key`` for
-    an unknown topology or a missing libtpu."""
+def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology",
+                      mean_completion: Optional[float] = None) -> TopologyPlan:
+    """``cfg`` planned and compiled for TPU topology ``name`` (see module doc); the round's time also at completions
+    of ``mean_completion`` tokens on average. ``ConfigError`` naming ``key`` for an unknown topology or a missing
+    libtpu."""
     topology = resolve_topology(name, key)
     try:
         devices = topology.devices()
     except tpu.TopologyError as e:
         raise ConfigError(f"{key}: {e}") from None
-    run = Run(cfg, devices=devices, abstract=True)
     limit = topology.hbm_per_device
-    memory = compile_plan(run, limit, f"{topology.name} HBM")
-    if memory is None:   # XLA:TPU always reports; kept explicit
-        raise ConfigError(f"{key}: the TPU compiler reported no memory analysis for {topology.name}")
+    run, memory = _compiled(cfg, devices, limit, topology.name, key)
+    time = _round_time(run, memory, mean_completion)
+    allocations = ()
+    if time is not None and len(cfg.policies) > 1 and all(p.devices is None for p in cfg.policies):
+        allocations = _by_time(time, memory, limit, len(devices), mean_completion)
+        chosen = allocations[0].sizes if allocations else None
+        if chosen is not None and chosen != tuple(p.shape.devices for p in time.policies):
+            sized = dataclasses.replace(cfg, policies=list(dataclasses.replace(p, devices=n)
+                                                            for p, n in zip(cfg.policies, chosen)))
+            run, memory = _compiled(sized, devices, limit, topology.name, key)
+            time = _round_time(run, memory, mean_completion)
     attention = tuple(resolve_attention(p.spec.model.attention, "tpu") for p in run.policies)
     return TopologyPlan(topology=topology, hbm_per_device=limit, plan=run.placement.plan, memory=memory,
-                        attention=attention)
+                        attention=attention, time=time, allocations=allocations)
+
+
+def _compiled(cfg: RunConfig, devices, limit: int, name: str, key: str) -> tuple:
+    """(the abstract run on ``devices``, its compiled memory plan against ``limit`` bytes per device)."""
+    run = Run(cfg, devices=devices, abstract=True)
+    memory = compile_plan(run, limit, f"{name} HBM")
+    if memory is None:   # XLA:TPU always reports; kept explicit
+        raise ConfigError(f"{key}: the TPU compiler reported no memory analysis for {name}")
+    return run, memory
+
+
+def _by_time(time: RoundTime, memory: MemoryPlan, limit: int, total: int, mean: Optional[float]) -> tuple:
+    """`mwra.allocations_by_time` with each policy's round scaled from its compiled sub-mesh
+    (`time_plan.scaled_round_seconds`) and its memory as the compiled figure x n0 / n (FSDP), a hard limit."""
+    def seconds(i: int, n: int) -> Optional[float]:
+        p, f = time.policies[i], memory.figures[i]
+        if f.total * p.shape.devices / n > limit:
+            return None
+        return scaled_round_seconds(p, n, mean)
+    return tuple(allocations_by_time(seconds, len(time.policies), total))
+
+
+def round_shape(run: Run, i: int, slots: Optional[int]) -> RoundShape:
+    """Policy i's `RoundShape` from the run's built pieces and the slots S its sampler was compiled at."""
+    pol, mesh = run.policies[i], run.placement.meshes[i]
+    params = run.state_template().policies[i].params
+    config = nnx.merge(pol.graphdef, params).config
+    rows = run.cfg.prompts_per_round * pol.num_generations
+    mb = pol.spec.optimizer.micro_batch_size
+    total = int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jax.numpy.dtype(config.dtype).itemsize
+    return RoundShape(name=pol.name, devices=int(mesh.devices.size), rows=rows, prompt_width=prompt_width(run, pol),
+                      completion_length=pol.max_completion_length, slots=slots or rows,
+                      micro_batches=math.ceil(rows / mb) if mb else 1, iterations=pol.spec.grpo.num_iterations,
+                      reference_forward=pol.spec.grpo.beta > 0, matmul_params=total - lookup,
+                      layers=config.num_layers, heads=config.num_heads, head_dim=config.head_dim,
+                      kv_bytes_per_token=int(kv), weight_bytes=tree_bytes(params))
+
+
+def _round_time(run: Run, memory: MemoryPlan, mean: Optional[float]) -> Optional[RoundTime]:
+    """The round's `RoundTime` from the compiled figures' estimates; None where one is missing."""
+    out = []
+    for i, f in enumerate(memory.figures):
+        if f.update.time is None or f.sampler is None or f.sampler.time is None:
+            return None
+        chip = for_device(run.placement.meshes[i].devices.flat[0])
+        out.append(PolicyTime(shape=round_shape(run, i, f.slots), chip=chip, update=f.update.time,
+                              sampler=f.sampler.time))
+    return round_time(out, [p.device_ids for p in run.placement.plan.policies], mean)
 
 
 __all__ = ["TopologyPlan", "plan_for_topology", "resolve_topology"]
