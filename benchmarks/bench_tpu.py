@@ -15,6 +15,11 @@ and with the splash kernels.
   c  Qwen3-1.7B + Llama-3.2-1B, 64 prompts x G 8, 1024 + 2048 tokens, on v5e-8
   d  Llama-3.1-8B alone, 8-way FSDP (v5p-16: 8 chips), 16 prompts x G 8, 1024 + 1024
   e  Llama-3.1-8B LoRA (bf16 base), 64 prompts x G 8, 1024 + 4096, on v5e-8: the slot count S the plan picks
+  f  Llama-3.1-8B on v6e-4, 16 concurrent rows (2 prompts x G 8), 512 + 512: the decode step (TPOT)
+
+Every case also prints XLA:TPU's estimate of each program's time (`mrl_jax.mwra.cost_model`; an estimate, never
+a measurement): per policy the update (MFU), prefill, decode step and round, the idle fraction per sub-mesh, and
+for case a the update's step time, MFU and breakdown.
 """
 from __future__ import annotations
 
@@ -121,8 +126,21 @@ def plan_case(label: str, cfg: dict, topology: str) -> dict:
                                  "slots": f.slots,
                                  "compile_s": {k: round(v, 1) for k, v in s.items()}}
                         for p, f, s in zip(report.plan.policies, report.memory.figures, report.memory.compile_seconds)}}
+    if report.time is not None:
+        out["round_s"] = report.time.seconds
+        out["time"] = {p.shape.name: dict(update_s=p.update.seconds, mfu=p.mfu(), prefill_s=p.prefill.seconds,
+                                          decode_step_s=p.decode_step.seconds, slots=p.shape.slots,
+                                          decode_roofline=p.decode_roofline_fraction(), round_s=p.round_seconds(),
+                                          idle=idle, shares=p.shares(), update=_breakdown(p.update))
+                       for p, idle in zip(report.time.policies, report.time.idle())}
+        out["allocations"] = [[list(a.sizes), a.round_seconds] for a in report.allocations[:5]]
     print(json.dumps(out), flush=True)
     return out
+
+
+def _breakdown(t) -> dict:
+    """A `StepTime`'s seconds by kind of op."""
+    return {k: getattr(t, k) for k in ("matmul", "fusion", "pallas", "collective", "copy")}
 
 
 def case_a(work: Path) -> list:
@@ -142,9 +160,11 @@ def case_a(work: Path) -> list:
                               remat="full", attention=attention)
             t0 = time.perf_counter()
             m = _update_memory(cfg, 2, 8, 256, 4096, jax.sharding.Mesh(np.array(device), ("data",)))
+            t = m.pop("time")
             rec = {"case": "a", "topology": topo, "attention": attention, "compile_s": round(time.perf_counter() - t0, 1),
                    "load_1min": os.getloadavg()[0], **{k: round(v / 2 ** 30, 2) if k != "kernels" else v
-                                                       for k, v in m.items()}}
+                                                       for k, v in m.items()},
+                   "step_s": t.seconds, "mfu": _update_mfu(cfg, 2, 8, 256, 4096, t, device[0]), **_breakdown(t)}
             print(json.dumps(rec), flush=True)
             out.append(rec)
     return out
@@ -175,7 +195,33 @@ def _update_memory(config, P: int, G: int, Tp: int, Tc: int, mesh) -> dict:
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     args = (params, opt_state, placed(abstract_rows(P, G, Tp, Tc), mesh), placed(view, mesh), placed(key, mesh))
     mem = step_memory(jax.jit(on_mesh(mesh, update), donate_argnums=(0, 1)), *args)
-    return dict(temp=mem.temp, total=mem.peak, state=tree_bytes(params) + tree_bytes(opt_state), kernels=mem.kernels)
+    return dict(temp=mem.temp, total=mem.peak, state=tree_bytes(params) + tree_bytes(opt_state), kernels=mem.kernels,
+                time=mem.time)
+
+
+def _update_mfu(config, P: int, G: int, Tp: int, Tc: int, t, device) -> float:
+    """The update's model FLOPs (`time_plan.model_flops`: no reference, one iteration) over the chip's peak for
+    its estimated time ``t``."""
+    from mrl_jax.mwra.cost_model import for_device
+    from mrl_jax.trainer.time_plan import RoundShape, model_flops
+
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    params = _param_count(config) - lookup
+    shape = RoundShape(name="update", devices=1, rows=P * G, prompt_width=Tp, completion_length=Tc, slots=P * G,
+                       micro_batches=1, iterations=1, reference_forward=False, matmul_params=params,
+                       layers=config.num_layers, heads=config.num_heads, head_dim=config.head_dim, kv_bytes_per_token=0,
+                       weight_bytes=0)
+    return model_flops(shape) / (t.seconds * for_device(device).peak_flops)
+
+
+def _param_count(config) -> int:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mrl_jax.models.factory import abstract_model
+
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract_model(config)))))
 
 
 def case_b(work: Path) -> dict:
@@ -204,7 +250,13 @@ def case_e(work: Path) -> dict:
     return plan_case("e", run_config(work, [pol], 64, 8), "v5e-8")
 
 
-CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e}
+def case_f(work: Path) -> dict:
+    """Decode at sglang-jax's published shape: 16 concurrent rows of 512 + 512 tokens on v6e-4."""
+    pol = policy(work, "llama3_1_8b", "llama-3.1-8b", 512, 512, probes="none")
+    return plan_case("f", run_config(work, [pol], 2, 8), "v6e-4")
+
+
+CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f}
 
 
 def run(quick: bool = False, work: Path | None = None) -> dict:
@@ -226,7 +278,9 @@ def run(quick: bool = False, work: Path | None = None) -> dict:
     for attention in ("blockwise", "splash"):
         cfg = ModelConfig(family="llama", **SHAPES["qwen2.5-0.5b"], dtype="bfloat16", param_dtype="bfloat16",
                           remat="full", attention=attention)
-        out[attention] = _update_memory(cfg, 2, 8, 256, 1024, mesh)
+        m = _update_memory(cfg, 2, 8, 256, 1024, mesh)
+        t = m.pop("time")
+        out[attention] = {**m, "step_s": None if t is None else t.seconds}
     return out
 
 

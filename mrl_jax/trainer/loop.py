@@ -350,7 +350,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     try:
         latest = _resume_round(ckpt, out, cfg, resume)
         if cfg.mwra.topology:
-            _check_topology(cfg, out, progress)
+            cfg = _check_topology(cfg, out, progress)
         run = Run(cfg, task=task)   # its memory plan compiled before any RL work; ConfigError when it does not fit
         state, start = _start(run, ckpt, out, latest)
     except BaseException:
@@ -398,9 +398,11 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     return summary
 
 
-def _check_topology(cfg: RunConfig, out: Path, progress: bool) -> None:
+def _check_topology(cfg: RunConfig, out: Path, progress: bool) -> RunConfig:
     """``mwra.topology``: the run compiled for that TPU slice (`tpu_plan.plan_for_topology`), its report printed
-    and written to ``tpu_plan.json``; ``ConfigError`` with the fixes when a policy does not fit."""
+    and written to ``tpu_plan.json``; ``ConfigError`` with the fixes when a policy does not fit. Returns ``cfg``
+    with the plan's sub-meshes (sized by estimated time) when the run runs on that slice (these devices are its
+    TPU devices), else ``cfg``."""
     from mrl_jax.trainer.tpu_plan import plan_for_topology
 
     report = plan_for_topology(cfg, cfg.mwra.topology, key="config key 'mwra.topology'")
@@ -412,6 +414,12 @@ def _check_topology(cfg: RunConfig, out: Path, progress: bool) -> None:
     if not report.fits:
         raise ConfigError(f"config key 'mwra.topology': the run does not fit {cfg.mwra.topology}:\n"
                           + "\n".join(report.memory.misfits))
+    local = jax.devices()
+    if report.allocations and local[0].platform == "tpu" and len(local) == report.plan.num_devices:
+        sizes = report.allocations[0].sizes
+        return dataclasses.replace(cfg, policies=[dataclasses.replace(p, devices=n) for p, n in
+                                                  zip(cfg.policies, sizes)])
+    return cfg
 
 
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
