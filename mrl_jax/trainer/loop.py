@@ -422,7 +422,10 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 
     initialize_distributed(coordinator, num_processes, process_id)
     cfg = load_yaml(RunConfig, config_path)
-    if topology is not None:
+    if topology is not None:   # the flag's errors name the flag: the config's would name mwra.topology
+        from mrl_jax.trainer.tpu_plan import resolve_topology
+
+        resolve_topology(topology, "--topology")
         cfg = dataclasses.replace(cfg, mwra=dataclasses.replace(cfg.mwra, topology=topology))
     return train(cfg, out_dir, resume=resume)
 
