@@ -138,6 +138,14 @@ def test_plan_into_a_run_writes_beside_it_and_changes_none_of_its_files(finished
     assert sorted(p.name for p in fresh.iterdir()) == ["plan.txt", "summary.json"]
 
 
+def test_a_report_into_another_run_writes_beside_it(finished, run_copy, capsys):
+    before = _hashes(run_copy)
+    assert main(["report", str(finished[0]), "--out", str(run_copy)]) == 0
+    after = _hashes(run_copy)
+    assert {k: v for k, v in after.items() if not k.startswith("report/")} == before
+    assert {"report/summary.json", "report/summary.md", "report/report.json"} <= set(after) - set(before)
+
+
 def test_an_eval_reading_a_run_refuses_a_train_there_and_changes_nothing(finished, run_copy, holders, capsys):
     before = _hashes(run_copy)
     holders.hold(run_copy, "shared")
