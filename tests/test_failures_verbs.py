@@ -153,8 +153,9 @@ def test_an_eval_reading_a_run_refuses_a_train_there_and_changes_nothing(finishe
     rc = main(["train", "--config", str(_config(run_copy.parent, "two.yaml", **dict(ONE_ROUND, rounds=2))),
                "--out", str(run_copy), "--resume"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and err == (f"mrl train: {run_copy} is being read: an `mrl eval` holds {run_copy / '.lock'} "
-                               "shared while it restores a checkpoint; wait for it to finish, then resume"), err
+    assert rc == 2 and err == (f"mrl train: {run_copy} is being read: an `mrl eval` or `mrl export` holds "
+                               f"{run_copy / '.lock'} shared while it restores a checkpoint; wait for it to "
+                               "finish, then resume"), err
     assert _hashes(run_copy) == before
 
 
@@ -235,8 +236,8 @@ CASES = [
     ("resume_on_a_held_run", _held("train", "--resume"), {}, False, 2,
      "mrl train: " + BUSY + "let it finish (or stop it), then resume"),
     ("new_train_on_a_run_being_read", _held("train", mode="shared"), {}, False, 2,
-     "mrl train: {run} is being read: an `mrl eval` holds {run}/.lock shared while it restores a checkpoint; wait "
-     "for it to finish, or give this run another --out directory"),
+     "mrl train: {run} is being read: an `mrl eval` or `mrl export` holds {run}/.lock shared while it restores a "
+     "checkpoint; wait for it to finish, or give this run another --out directory"),
     ("eval_of_a_held_run", _held("eval"), {}, False, 2,
      "mrl eval: {run} is in use: `mrl train` (PID {pid}) holds {run}/.lock and is writing its run there (checkpoints "
      "are written and deleted); evaluate it once that run has finished or stopped"),

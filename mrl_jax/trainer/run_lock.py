@@ -2,7 +2,7 @@
 
 ``train`` (new or resumed) holds an exclusive ``fcntl.flock`` on ``OUT/.lock`` for its whole life (`run_lock`),
 so a second ``mrl train`` on the same ``--out`` cannot interleave its records and checkpoints with the first
-one's. ``mrl eval`` holds the same lock shared while it reads a checkpoint (`read_lock`): it is refused while a
+one's. ``mrl eval`` and ``mrl export`` hold it shared while they read a checkpoint (`read_lock`): refused while a
 ``train`` writes there (checkpoints appear and are deleted), and a ``train`` started meanwhile is refused until
 the reader is done. The verbs that write files of their own (``eval``, ``plan``, ...) given a directory that
 holds a run write into a folder of their name beside the run's files (`beside_run`), never over them.
@@ -65,7 +65,7 @@ def _holder(path: Path) -> str:
 
 
 def _readers_only(fd: int) -> bool:
-    """Whether the lock ``fd`` could not take exclusively is held shared only (``mrl eval`` reading)."""
+    """Whether the lock ``fd`` could not take exclusively is held shared only (``eval`` / ``export`` reading)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,7 +76,8 @@ def _readers_only(fd: int) -> bool:
 
 def _busy(out, path: Path, readers: bool, resume: bool) -> RunDirectoryBusy:
     if readers:
-        what = f"{out} is being read: an `mrl eval` holds {path} shared while it restores a checkpoint"
+        what = (f"{out} is being read: an `mrl eval` or `mrl export` holds {path} shared while it restores a "
+                "checkpoint")
         fix = "wait for it to finish, then resume" if resume else (
             "wait for it to finish, or give this run another --out directory")
     else:
