@@ -1,7 +1,8 @@
 """The ``mrl`` command: parses arguments and calls one library function per verb.
 
-Every verb writes ``summary.json`` in ``--out``. Heavy imports happen inside the verbs so ``mrl --help``
-is instant.
+Every verb writes ``summary.json`` in ``--out``; only ``train`` writes a run directory's own files: the other
+verbs given one as ``--out`` write into a folder of their name in it (``RUN/eval/``, ``RUN/plan/``). Heavy
+imports happen inside the verbs so ``mrl --help`` is instant.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="mrl",
         description="Mutual Reinforcement Learning for heterogeneous LLM policies (JAX/Flax).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Each verb writes summary.json in --out. `mrl VERB --help` explains a verb's options.",
+        epilog="Each verb writes summary.json in --out; an --out that holds a run of `mrl train` is written only "
+               "by train: the other verbs write into OUT/VERB/ there. `mrl VERB --help` explains a verb's options.",
     )
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use JAX's persistent compilation cache (default: on, in "
@@ -71,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="also estimate the round at completions of N tokens on average (long tails: the update "
                       "still pads to the completion length)")
     plan.add_argument("--out", type=Path, default=None,
-                      help="also write summary.json (the plan as data) and plan.txt (the report) here")
+                      help="also write summary.json (the plan as data) and plan.txt (the report) here (in OUT/plan/ "
+                      "when OUT holds a run)")
 
     ev = sub.add_parser("eval", help="held-out success per policy of a run's latest checkpoint, or of an "
                         "exported model directory (--model)")
@@ -81,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                          "the population metrics (default: the config's eval_samples)")
     ev.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature of --samples (default: the config's eval_temperature)")
-    ev.add_argument("--run", type=Path, default=None, help="the run directory holding checkpoints/ (default: --out)")
+    ev.add_argument("--run", type=Path, default=None,
+                    help="the run directory holding checkpoints/ (default: --out; summary.json then goes to OUT/eval/, "
+                    "beside the run's own files); read under its lock: refused while a train writes there")
     ev.add_argument("--model", type=Path, default=None,
                     help="evaluate this directory of `mrl export` (HF or PEFT adapter) instead of a run's checkpoint")
     ev.add_argument("--policy", default=None,
@@ -206,7 +211,7 @@ def _eval(args) -> dict:
         return evaluate_exported(args.config, args.model, args.policy)
     from mrl_jax.trainer import evaluate_from_yaml
 
-    return evaluate_from_yaml(args.config, args.run or args.out, samples=args.samples, temperature=args.temperature)
+    return evaluate_from_yaml(args.config, args.run, samples=args.samples, temperature=args.temperature)
 
 
 def _export(args) -> int:
@@ -283,6 +288,29 @@ def _bad_arguments(args) -> str | None:
     return None
 
 
+# the verbs whose --out, when it holds a run, becomes OUT/<verb>/ (train writes the run; export refuses one)
+BESIDE_RUN = ("demo", "eval", "plan", "bandit", "bench", "report")
+
+
+def _beside_run(args) -> str | None:
+    """``eval``'s --run defaulted to --out, then an --out holding a run of ``train`` moved to ``OUT/<verb>/``
+    (`run_lock.beside_run`), so no verb but ``train`` writes over a run's files; the one-line error of a moved
+    --out that is a file, or None. ``report --out RUN`` of its own run is left to ``_report`` to refuse."""
+    from mrl_jax.trainer.run_lock import beside_run
+
+    if args.verb == "eval" and args.run is None:
+        args.run = args.out
+    out = getattr(args, "out", None)
+    if args.verb not in BESIDE_RUN or out is None:
+        return None
+    if args.verb == "report" and out.resolve() == args.run.resolve():
+        return None
+    args.out = beside_run(out, args.verb)
+    if args.out.exists() and not args.out.is_dir():
+        return f"--out {out} holds a run, and {args.out} (where {args.verb} writes beside it) is a file; move it"
+    return None
+
+
 def _closed_loop(exc) -> bool:
     return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
 
@@ -351,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = (ConfigError, CheckpointError, ModelFileError, FileNotFoundError, JsonlFormatError, ExportError,
                 LoRAError, TrainingStopped, RewardFailure)
+    bad = _beside_run(args)
+    if bad:
+        print(f"mrl {args.verb}: {bad}", file=sys.stderr)
+        return 2
     try:
         summary = VERBS[args.verb](args)
     except expected as e:

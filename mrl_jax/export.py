@@ -63,10 +63,15 @@ def _policy_index(cfg, name: str, where: Path, flag: str = "--policy") -> int:
 
 
 def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    from mrl_jax.trainer.run_lock import holds_run
+
     o, r = out.resolve(), run_dir.resolve()
     if o == r or r in o.parents or o in r.parents:
         raise ExportError(f"--out {out}: overlaps the run directory {run_dir} (export never writes into a run); "
                           "choose a directory outside it")
+    if holds_run(out):
+        raise ExportError(f"--out {out}: holds another run of `mrl train` (export never writes into a run, "
+                          "--force included); choose a new or empty directory")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -87,6 +92,7 @@ def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
     """(Policy, PolicyState, round) of policy ``index`` at ``checkpoint`` (default: latest)."""
     from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
     from mrl_jax.trainer.loop import Run
+    from mrl_jax.trainer.run_lock import read_lock
 
     rounds = _complete_rounds(run_dir)
     step = rounds[-1] if checkpoint is None else int(checkpoint)
@@ -94,13 +100,14 @@ def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
         raise ExportError(f"--checkpoint {step}: {run_dir / 'checkpoints'} has no complete checkpoint of that round; "
                           f"complete rounds: {rounds}")
     run = Run(cfg, plan_memory=False)   # samples nothing: no sampler to size
-    ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
-    try:
-        state, meta = ckpt.restore(run.state_template(), step)
-    except CheckpointError as e:
-        raise ExportError(str(e)) from e
-    finally:
-        ckpt.close()
+    with read_lock(run_dir):   # a train writing there (checkpoints written and deleted) refuses the export
+        ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
+        try:
+            state, meta = ckpt.restore(run.state_template(), step)
+        except CheckpointError as e:
+            raise ExportError(str(e)) from e
+        finally:
+            ckpt.close()
     return run.policies[index], state.policies[index], int(meta.get("round", step))
 
 

@@ -39,7 +39,8 @@ LIBTPU_INSTALL = 'pip install "jax[tpu]"  (libtpu: the TPU compiler; no TPU need
 
 
 class TopologyError(ValueError):
-    """An unknown topology name, or no libtpu to compile with; the message is one line with the fix."""
+    """An unknown topology name, a layout libtpu refuses, or no libtpu to compile with; the message is one line
+    with the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,13 @@ class Topology:
         for var, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                            ("TPU_ACCELERATOR_TYPE", self.accelerator_type), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
             os.environ.setdefault(var, value)
-        return list(_topology_devices(self.topology, self.chips == 1))
+        try:
+            return list(_topology_devices(self.topology, self.chips == 1))
+        except Exception as e:  # noqa: BLE001 -- libtpu's parser raises JaxRuntimeError (and may raise others)
+            reason = (str(e).splitlines() or [""])[0]
+            raise TopologyError(f"libtpu cannot lay out TPU topology {self.name!r} ({type(e).__name__}: {reason}); "
+                                "use a slice name such as v5e-8 or v5p-16, or a topology string whose first two sides "
+                                "are even (a host holds 2x2 chips), such as v5e:2x4 or v5p:2x2x1") from None
 
     @property
     def hbm_per_device(self) -> int:

@@ -34,7 +34,7 @@ from mrl_jax.trainer.placement import fetch, placement_summary
 from mrl_jax.trainer.policy import Policy, param_count
 from mrl_jax.trainer.round import RunState, run_round
 from mrl_jax.trainer.run import Run, build_task, task_corpus, text_budget
-from mrl_jax.trainer.run_lock import run_lock
+from mrl_jax.trainer.run_lock import read_lock, run_lock
 
 
 class Trainer:
@@ -94,7 +94,7 @@ class _NullLog:
     def log_samples(self, round_index, samples) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         pass
 
 
@@ -332,7 +332,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
     summary["compiles"]: the XLA programs this process built (``compile_stats.CompileCounter``). The run
     directory is locked (``run_lock``) for the whole call: a second ``train`` on it is refused, naming this PID."""
     primary = jax.process_index() == 0   # multi-host: process 0 owns the directory (it alone writes there)
-    with run_lock(out_dir) if primary else contextlib.nullcontext():
+    with run_lock(out_dir, resume=resume) if primary else contextlib.nullcontext():
         done = _finished(cfg, Path(out_dir), resume)
         if done is not None:
             return done
@@ -368,7 +368,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
             _show_warm_starts(run)
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
     stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
-    r = start
+    r, finished = start, False
     before = _before(run, state, out, start, primary)
     try:
         with _reward_scorer(run, reward_specs) as scorer:
@@ -382,6 +382,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
             trainer.add_hook(stop)
             for info in trainer.rounds(state, start):
                 state, r = info.state, info.round + 1
+        finished = True
     except KeyboardInterrupt:
         raise RunInterrupted(_interrupted(ckpt, r)) from None
     except RewardFailure as e:
@@ -390,7 +391,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
             f"{e}\nThe run stopped in round {r}; that round was not logged. The last complete checkpoint is round "
             f"{done} in {ckpt.directory}: fix the reward, then resume with --resume.") from e
     finally:
-        log.close()
+        log.close(finished)   # a stopped run: no closing line of a finished one before the stop's own line
         ckpt.close()
     summary = _summary(run, state, start)
     if before is not None:
@@ -430,7 +431,10 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 
     initialize_distributed(coordinator, num_processes, process_id)
     cfg = load_yaml(RunConfig, config_path)
-    if topology is not None:
+    if topology is not None:   # the flag's errors name the flag: the config's would name mwra.topology
+        from mrl_jax.trainer.tpu_plan import resolve_topology
+
+        resolve_topology(topology, "--topology")
         cfg = dataclasses.replace(cfg, mwra=dataclasses.replace(cfg.mwra, topology=topology))
     return train(cfg, out_dir, resume=resume)
 
@@ -438,20 +442,22 @@ def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num
 def evaluate_from_yaml(config_path, run_dir, *, samples: int | None = None, temperature: float | None = None) -> dict:
     """``mrl eval``: held-out success per policy from the run's latest checkpoint (``config_path``: the run's
     YAML config or its config.json); ``samples`` K > 0 adds avg@K, pass@k, maj@K and the population metrics
-    (default: the config's eval_samples)."""
+    (default: the config's eval_samples). The run is only read, under its lock held shared (`read_lock`): a
+    ``train`` writing there refuses the evaluation, naming its PID."""
     cfg = load_run_config(config_path)
     if not (Path(run_dir) / "checkpoints").is_dir():
         raise CheckpointError(f"{run_dir} holds no run (no checkpoints/ directory); pass --run the --out directory "
                               "of `mrl train`, or --model an exported model directory")
-    ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
-    try:
-        if ckpt.latest_round() is None:
-            raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet (one is written every "
-                                  "checkpoint_every rounds); evaluate once the run has written one")
-        run = Run(cfg)
-        state, meta = restore_state(run, ckpt)
-    finally:
-        ckpt.close()
+    with read_lock(run_dir):
+        ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
+        try:
+            if ckpt.latest_round() is None:
+                raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet (one is written every "
+                                      "checkpoint_every rounds); evaluate once the run has written one")
+            run = Run(cfg)
+            state, meta = restore_state(run, ckpt)
+        finally:
+            ckpt.close()
     res = run.evaluate(state, cfg.eval_prompts, samples=samples, temperature=temperature)
     out = {"round": meta["round"], "eval": res}
     if "population" in res:

@@ -134,12 +134,13 @@ class RunLog:
     def read_metrics(self) -> list[dict]:
         return self.read_records(self.metrics_path)
 
-    def close(self) -> None:
-        """Close the trackers and the progress display (an eval not yet shown is printed last)."""
+    def close(self, finished: bool = True) -> None:
+        """Close the trackers and the progress display; ``finished``: a closing line, the rounds logged and an
+        eval not yet shown (none for a run that stopped: its stop says where)."""
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
         tail = f"{self._progress.completed} rounds logged"
         if self._eval:
             tail += "; eval success " + " ".join(f"{n} {float(_plain(v)):.3f}" for n, v in self._eval.items())
-        self._progress.close(tail)
+        self._progress.close(tail if finished else None)

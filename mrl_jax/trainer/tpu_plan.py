@@ -125,23 +125,23 @@ def _attention_line(impl: str) -> str:
 
 
 def resolve_topology(name: str, key: str = "--topology") -> tpu.Topology:
-    """`tpu.resolve` with its error as a ``ConfigError`` naming ``key``."""
+    """`tpu.resolve` of ``name``, its devices laid out by libtpu (`Topology.devices`, cached); an unknown name, a
+    layout libtpu refuses or a missing libtpu is a ``ConfigError`` naming ``key``."""
     try:
-        return tpu.resolve(name)
+        topology = tpu.resolve(name)
+        topology.devices()
     except tpu.TopologyError as e:
         raise ConfigError(f"{key}: {e}") from None
+    return topology
 
 
 def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology",
                       mean_completion: Optional[float] = None) -> TopologyPlan:
     """``cfg`` planned and compiled for TPU topology ``name`` (see module doc); the round's time also at completions
-    of ``mean_completion`` tokens on average. ``ConfigError`` naming ``key`` for an unknown topology or a missing
-    libtpu."""
+    of ``mean_completion`` tokens on average. ``ConfigError`` naming ``key`` for an unknown topology, a layout
+    libtpu refuses or a missing libtpu."""
     topology = resolve_topology(name, key)
-    try:
-        devices = topology.devices()
-    except tpu.TopologyError as e:
-        raise ConfigError(f"{key}: {e}") from None
+    devices = topology.devices()
     limit = topology.hbm_per_device
     run, memory = _compiled(cfg, devices, limit, topology.name, key)
     time = _round_time(run, memory, mean_completion)
