@@ -15,7 +15,7 @@ and with the splash kernels.
   c  Qwen3-1.7B + Llama-3.2-1B, 64 prompts x G 8, 1024 + 2048 tokens, on v5e-8
   d  Llama-3.1-8B alone, 8-way FSDP (v5p-16: 8 chips), 16 prompts x G 8, 1024 + 1024
   e  Llama-3.1-8B LoRA (bf16 base), 64 prompts x G 8, 1024 + 4096, on v5e-8: the slot count S the plan picks
-  f  Llama-3.1-8B on v6e-4, 16 concurrent rows (2 prompts x G 8), 512 + 512: the decode step (TPOT)
+  f  Llama-3.1-8B on v6e-4, 16 concurrent rows (4 prompts x G 4), 512 + 512: the decode step (TPOT)
 
 Every case also prints XLA:TPU's estimate of each program's time (`mrl_jax.mwra.cost_model`; an estimate, never
 a measurement): per policy the update (MFU), prefill, decode step and round, the idle fraction per sub-mesh, and
@@ -251,9 +251,9 @@ def case_e(work: Path) -> dict:
 
 
 def case_f(work: Path) -> dict:
-    """Decode at sglang-jax's published shape: 16 concurrent rows of 512 + 512 tokens on v6e-4."""
+    """Decode at sglang-jax's published shape: 16 concurrent rows (4 prompts x G 4) of 512 + 512 tokens on v6e-4."""
     pol = policy(work, "llama3_1_8b", "llama-3.1-8b", 512, 512, probes="none")
-    return plan_case("f", run_config(work, [pol], 2, 8), "v6e-4")
+    return plan_case("f", run_config(work, [pol], 4, 4), "v6e-4")
 
 
 CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f}
