@@ -16,3 +16,8 @@ def scaled(options: RunOptions, factor: float = 2.0) -> Probe:
 def not_a_probe(options: RunOptions) -> dict:
     return {"name": "scaled"}
 
+
+
+def raises_at_build(options: RunOptions) -> Probe:
+    """A factory that fails when the run builds it (tests: any exception is one line, exit 2)."""
+    raise RuntimeError("no GPU for this probe")

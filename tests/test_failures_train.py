@@ -1,0 +1,76 @@
+"""Issue 60: ``mrl train``'s own start and stop lines. Each bad input or fault is one line on stderr with its exit
+code (2: refused at start, whatever the exception type user code or a library raised; 3: a run stopped; 130:
+interrupted) and no traceback; a clean start says nothing from absl, orbax or tensorboardX."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import support  # noqa: E402
+from mrl_jax.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("jax_compile_cache")
+
+
+def _set(**overrides):
+    def edit(cfg, tmp):
+        for key, value in overrides.items():
+            cfg.update(support.tiny_config(**{key: value}) if "." in key else {key: value})
+    return edit
+
+
+def _task(**task):
+    return _set(task=task)
+
+
+def _bench_probes(spec):
+    def edit(cfg, tmp):
+        return ["bench", "probes", "--quick", "--probes", spec, "--out", str(tmp / "bench")]
+    return edit
+
+
+RG = "reasoning_gym"
+# (case, edit(config dict, tmp dir) -> argv or None (train --config --out), exit code, the line; {cfg}: the config)
+START = [
+    ("probe_factory_raises", _set(**{"policies.0.probes": "tests.probe_fixtures:raises_at_build"}), 2,
+     "mrl train: config error: {cfg}: config key 'policies[0].probes': 'tests.probe_fixtures:raises_at_build': probe "
+     "'tests.probe_fixtures:raises_at_build': the "
+     "factory tests.probe_fixtures:raises_at_build raised RuntimeError: no GPU for this probe; fix the factory or "
+     "its options"),
+    ("bench_probe_factory_raises", _bench_probes("tests.probe_fixtures:raises_at_build"), 2,
+     "mrl bench: config error: --probes: probe 'tests.probe_fixtures:raises_at_build': the factory "
+     "tests.probe_fixtures:raises_at_build raised RuntimeError: no GPU for this probe; fix the factory or its options"),
+    ("reasoning_gym_weight_zero", _task(name=RG, datasets={"chain_sum": 0}), 2,
+     "mrl train: config error: config key 'task.datasets.chain_sum': weight 0 is not a number > 0 (the dataset's "
+     "share of the prompts); give e.g. chain_sum: 1.0, or drop 'chain_sum'"),
+    ("reasoning_gym_weight_negative", _task(name=RG, datasets={"chain_sum": -1}), 2,
+     "mrl train: config error: config key 'task.datasets.chain_sum': weight -1 is not a number > 0 (the dataset's "
+     "share of the prompts); give e.g. chain_sum: 1.0, or drop 'chain_sum'"),
+    ("reasoning_gym_weight_string", _task(name=RG, datasets={"chain_sum": "heavy"}), 2,
+     "mrl train: config error: config key 'task.datasets.chain_sum': weight 'heavy' is not a number > 0 (the "
+     "dataset's share of the prompts); give e.g. chain_sum: 1.0, or drop 'chain_sum'"),
+    ("reward_module_raises_on_import", _set(rewards=[{"builtin": "accuracy"},
+                                                     {"function": "tests.probe_fixtures_broken:score"}]), 2,
+     "mrl train: config error: {cfg}: config key 'rewards[1].function': cannot import 'tests.probe_fixtures_broken' "
+     "(RuntimeError: this module is broken on import); put it on PYTHONPATH or install it"),
+    ("reward_batch_size_zero", _set(rewards=[{"builtin": "accuracy"},
+                                             {"function": "tests.reward_fixtures:length_bonus", "batch_size": 0}]), 2,
+     "mrl train: config error: {cfg}: config key 'rewards[1].batch_size': 0 is not a whole number >= 1; give batch_size: "
+     "1 to call the function per completion, or leave it out for the batch"),
+]
+
+
+@pytest.mark.parametrize("case, edit, code, line", START, ids=[c[0] for c in START])
+def test_a_start_time_failure_is_one_line_with_exit_2(tmp_path, capsys, case, edit, code, line):
+    cfg = support.tiny_config()
+    argv = edit(cfg, tmp_path) or ["train", "--config", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "run")]
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert (rc, err) == (code, line.format(cfg=tmp_path / "cfg.yaml"))
