@@ -74,3 +74,47 @@ def test_a_start_time_failure_is_one_line_with_exit_2(tmp_path, capsys, case, ed
     rc = main(argv)
     err = capsys.readouterr().err.strip()
     assert (rc, err) == (code, line.format(cfg=tmp_path / "cfg.yaml"))
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C
+def test_a_second_ctrl_c_inside_a_checkpoint_write_abandons_it_cleanly(tmp_path, capsys, monkeypatch):
+    """Ctrl-C twice while round 1's checkpoint is written, a writer thread of the save still filling its temporary
+    folder (as orbax's commit threads do): the interrupted line, exit 130, no traceback, no temporary folder."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
+
+    original = cch.CompositeCheckpointHandler.save
+
+    def late_write(directory: Path):
+        time.sleep(0.5)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "late").write_text("a write still in flight")
+
+    def save(self, directory, *args, **kwargs):
+        if Path(str(directory)).name.split(".")[0] != "1":
+            return original(self, directory, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)   # held: the write goes on
+        original(self, directory, *args, **kwargs)
+        threading.Thread(target=late_write, args=(Path(str(directory)),)).start()
+        os.kill(os.getpid(), signal.SIGINT)   # again: abandoned here, before orbax renames the folder
+
+    monkeypatch.setattr(cch.CompositeCheckpointHandler, "save", save)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        out = tmp_path / "run"
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(yaml.safe_dump(support.tiny_config(rounds=3)))
+        argv = ["train", "--config", str(cfg), "--out", str(out)]
+        rc = main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[train]")]
+    assert rc == 130 and err == [
+        "mrl: finishing the checkpoint of round 1; Ctrl-C again abandons it",
+        f"mrl train: interrupted in round 1; the checkpoint of round 0 in {out / 'checkpoints'} is intact (later "
+        "rounds are redone); resume with: mrl " + " ".join(argv + ["--resume"])], err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]

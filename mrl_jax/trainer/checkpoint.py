@@ -144,10 +144,38 @@ class RunCheckpointer:
         to end (`interrupts_deferred`): orbax's writer threads would otherwise go on filling its temporary
         folder after the main thread left."""
         state = jax.tree.map(_savable, state)
-        with interrupts_deferred(f"mrl: finishing the checkpoint of round {round_index}; Ctrl-C again abandons it"):
-            self._manager.save(round_index, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-            self._manager.wait_until_finished()
+        started = set(threading.enumerate())
+        try:
+            with interrupts_deferred(f"mrl: finishing the checkpoint of round {round_index}; Ctrl-C again abandons "
+                                     "it"):
+                self._manager.save(round_index, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+                self._manager.wait_until_finished()
+        except KeyboardInterrupt:
+            self._abandon(round_index, started)
+            raise
+
+    def _abandon(self, round_index: int, started: set, limit_s: float = 60.0) -> None:
+        """A second Ctrl-C left the write of ``round_index`` unfinished: its writer threads (those the save started,
+        idle thread-pool workers aside) end first -- they would refill the temporary folder, or write metadata
+        through an executor ``close`` shuts down -- with Ctrl-C ignored for at most ``limit_s``; then the folder
+        goes."""
+        import concurrent.futures.thread as pool
+        import shutil
+        import time
+
+        ignored = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+        try:
+            deadline = time.monotonic() + limit_s
+            workers = set(getattr(pool, "_threads_queues", {}))
+            for t in set(threading.enumerate()) - started - workers - {threading.current_thread()}:
+                t.join(max(deadline - time.monotonic(), 0.0))
+            for tmp in self.directory.glob(f"{round_index}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, previous)
 
     def all_rounds(self) -> list[int]:
         """Rounds of every complete checkpoint kept, oldest first."""
