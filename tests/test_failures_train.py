@@ -118,3 +118,85 @@ def test_a_second_ctrl_c_inside_a_checkpoint_write_abandons_it_cleanly(tmp_path,
         f"mrl train: interrupted in round 1; the checkpoint of round 0 in {out / 'checkpoints'} is intact (later "
         "rounds are redone); resume with: mrl " + " ".join(argv + ["--resume"])], err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]
+
+
+# ---------------------------------------------------------------------------------------- NaN stop
+def test_a_probe_whose_loss_is_nan_stops_naming_the_probe(tmp_path, capsys):
+    """The first skipped update is one line; the stop (exit 3) names the probe whose loss term went non-finite;
+    no tensorboardX warning about the NaN scalars."""
+    probe = "tests.probe_fixtures:nan_loss"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(support.tiny_config(rounds=3, max_skipped_updates=2,
+                                                      **{"policies.0.probes": probe})))
+    out = tmp_path / "run"
+    rc = main(["train", "--config", str(cfg), "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[train]")]
+    cause = f"the loss terms of probe {probe!r} are non-finite (loss nan, pg_loss "
+    assert rc == 3 and len(err) == 2 and "Traceback" not in "\n".join(err), err
+    assert err[0].startswith(f"mrl train: round 0: policy 'llama_bpe' skipped its update: {cause}"), err
+    assert err[0].endswith("finite): fix the probe's loss_terms or its options; the run stops after 2 in a row "
+                           "(max_skipped_updates)"), err
+    assert err[1].startswith(f"mrl train: run stopped: policies ['llama_bpe'] skipped 2 updates in a row (llama_bpe: "
+                             f"{cause}"), err
+    assert f"state saved at round 1 in {out / 'checkpoints'}" in err[1] and err[1].endswith("Fix it, then --resume.")
+    assert (out / "failed_batch_llama_bpe_round1.npz").is_file()
+
+
+# ------------------------------------------------------------------------------------------ resume
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished one-round run of the tiny config through the CLI."""
+    root = tmp_path_factory.mktemp("finished")
+    (root / "cfg.yaml").write_text(yaml.safe_dump(support.tiny_config(rounds=1)))
+    assert main(["train", "--config", str(root / "cfg.yaml"), "--out", str(root / "run")]) == 0
+    return root / "run"
+
+
+def _copy(finished: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    return out
+
+
+def _resume(tmp_path, out, **overrides) -> tuple[int, list[str]]:
+    cfg = tmp_path / "resume.yaml"
+    cfg.write_text(yaml.safe_dump(support.tiny_config(**overrides)))
+    return main(["train", "--config", str(cfg), "--out", str(out), "--resume"])
+
+
+def test_a_corrupt_checkpoint_metadata_file_resumes_without_absl_lines(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    capsys.readouterr()
+    (out / "checkpoints" / "0" / "_CHECKPOINT_METADATA").write_text("garbage\n")
+    rc = _resume(tmp_path, out, rounds=2)
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[train]")]
+    assert rc == 0 and err == [f"mrl train: warning: resuming {out} with a config that differs from the one it "
+                               "started with (config.json) in rounds: 1 -> 2"], err
+
+
+def test_a_resume_with_another_model_family_is_one_short_line(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    capsys.readouterr()
+    model = {"family": "gpt2", "hidden_size": 32, "num_layers": 1, "num_heads": 2}
+    rc = _resume(tmp_path, out, **{"policies.0.model": model})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err[-1].replace(str(out), "RUN")) < 450 and "Traceback" not in "\n".join(err), err
+    assert err[-1].startswith(f"mrl train: checkpoint {out / 'checkpoints' / '0'} does not match this run's config ("), err
+    assert "of this run's arrays are not in it (first " in err[-1], err
+
+
+def test_a_clean_start_says_nothing_from_absl_orbax_or_tensorboardx(tmp_path):
+    """A real ``mrl train`` process: stderr holds the progress lines only."""
+    import os
+    import subprocess
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(support.tiny_config(rounds=1)))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "mrl_jax.cli", "train", "--config", str(cfg), "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    other = [line for line in proc.stderr.splitlines() if not line.startswith("[train]")]
+    assert other == [], other
