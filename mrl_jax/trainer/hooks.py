@@ -110,7 +110,7 @@ def nonfinite_cause(metrics: dict, probe: str = "none") -> str:
         return v is not None and not math.isfinite(v)
 
     if bad("reward_mean") or bad("reward_std"):
-        return (f"the rewards are not finite (reward_mean {metrics.get('reward_mean')}): check the reward "
+        return (f"the rewards overflow or are not finite (reward_mean {metrics.get('reward_mean')}): check the reward "
                 "functions")
     if bad("pg_loss"):
         return (f"the policy-gradient term is non-finite (pg_loss {metrics['pg_loss']}, kl {metrics.get('kl')}) "
