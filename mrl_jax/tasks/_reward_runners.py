@@ -78,12 +78,11 @@ def _call(fn: RewardFn, prompt: Any, completion: Any, low: float, high: float,
 Result = tuple[str, float, "str | None"]   # (kind, value, message), as `_classify` gives it
 
 
-def _call_unit(spec: RewardSpec, fn: Callable, prompts: Sequence, completions: Sequence,
-               unit: Sequence[int]) -> list[Result] | None:
+def _call_unit(spec: RewardSpec, prompts: Sequence, completions: Sequence, unit: Sequence[int]) -> list[Result] | None:
     """The results of the items at positions ``unit``: one call of a batched ``fn`` on lists of them, else
     ``fn(prompt, completion)`` per item. None when a batched call of several items failed as a whole (raised or
     returned no list of one value per item): the caller retries them one by one."""
-    low, high, none = spec.low, spec.high, spec.allow_none
+    fn, low, high, none = spec.fn, spec.low, spec.high, spec.allow_none
     if not spec.batched:
         return [_call(fn, prompts[p], completions[p], low, high, none) for p in unit]
     try:
@@ -133,7 +132,7 @@ def _thread_worker_main(jobs: "queue.SimpleQueue[_Job | None]") -> None:
             return
         while True:
             unit = job.state[0]
-            results = _call_unit(job.spec, job.spec.fn, job.prompts, job.completions, unit)
+            results = _call_unit(job.spec, job.prompts, job.completions, unit)
             with job.lock:
                 if job.abandoned:
                     return  # the caller timed this call out and replaced this thread
@@ -230,13 +229,13 @@ def _process_worker_main(conn, payload: bytes) -> None:
         for unit in units:
             positions = [u[0] for u in unit]
             prompts, completions = {u[0]: u[1] for u in unit}, {u[0]: u[2] for u in unit}
-            results = _call_unit(spec, spec.fn, prompts, completions, positions)
+            results = _call_unit(spec, prompts, completions, positions)
             if results is not None:
                 conn.send(("done", [(p, *r) for p, r in zip(positions, results)]))
                 continue
             conn.send(("split",))
             for p in positions:
-                conn.send(("done", [(p, *_call_unit(spec, spec.fn, prompts, completions, [p])[0])]))
+                conn.send(("done", [(p, *_call_unit(spec, prompts, completions, [p])[0])]))
 
 
 class _Worker:

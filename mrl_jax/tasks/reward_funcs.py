@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from mrl_jax.configs import import_attribute
 

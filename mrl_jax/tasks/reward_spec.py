@@ -55,7 +55,7 @@ class RewardSpec:
         success (``ScoreResult.accuracy``; at most one per scorer).
     """
 
-    fn: RewardFn
+    fn: RewardFn | BatchRewardFn
     weight: float = 1.0
     name: str | None = None
     timeout_s: float | None = 5.0
