@@ -189,6 +189,7 @@ def show_plan_progress(stream=None) -> None:
 
 
 def _plan(args) -> int:
+    from mrl_jax.configs import ConfigError
     from mrl_jax.trainer.config import load_run_config
     from mrl_jax.trainer.tpu_plan import plan_for_topology
 

@@ -25,3 +25,21 @@ def hangs(prompts, completions, **kwargs):
 
 
 NOT_A_FUNCTION = 3
+
+
+BATCHES = []
+
+
+def centred_length(prompts, completions, completion_ids, **kwargs):
+    """Each completion's token count minus the batch's mean: a reward that needs the whole batch."""
+    BATCHES.append(len(completions))
+    mean = sum(len(ids) for ids in completion_ids) / len(completion_ids)
+    return [len(ids) - mean for ids in completion_ids]
+
+
+def raises_on_x(prompts, completions, **kwargs):
+    """1.0 per completion; raises when any completion of the call contains 'x'."""
+    CALLS.append({"prompts": prompts, "completions": completions})
+    if any("x" in c for c in completions):
+        raise ValueError("an x")
+    return [1.0] * len(completions)

@@ -122,8 +122,10 @@ def test_rewards_weighting_columns_none_and_metrics(tmp_path):
     np.testing.assert_array_equal(res.accuracy, acc)
     assert res.stats["rewards/gate/mean"] == 1.0 and res.stats["reward/gate/failures"] == 0
     np.testing.assert_allclose(res.stats["rewards/length_bonus/std"], np.std(length), rtol=1e-5)
-    got = [c for c in reward_fixtures.CALLS if c["completions"] == [completions[1]]][0]
-    assert got["level"] == [prompts[1].meta["columns"]["level"]] and got["solution"] == [prompts[1].answer]
+    [got] = reward_fixtures.CALLS   # one call with the batch, as TRL makes it
+    assert got["completions"] == completions and got["prompts"] == [p.text for p in prompts]
+    assert got["level"] == [p.meta["columns"]["level"] for p in prompts]
+    assert got["solution"] == [p.answer for p in prompts]
 
 
 def test_success_is_the_verifier_not_the_weighted_sum():

@@ -61,7 +61,8 @@ def load_factory(module: str, attr: str, spec: str) -> Callable[..., Probe]:
 
 
 def _external(spec: str, path: tuple[str, str, str], options: Optional[RunOptions]) -> Probe:
-    """A researcher's probe: ``factory(options=<the run's RunOptions>, **options from the spec)``."""
+    """A researcher's probe: ``factory(options=<the run's RunOptions>, **options from the spec)``; ValueError (one
+    line naming ``spec``) whatever the factory raises."""
     module, attr, opts = path
     _, kwargs = _split_spec("x:" + opts, strict=True)
     factory = load_factory(module, attr, spec.strip())
@@ -73,6 +74,9 @@ def _external(spec: str, path: tuple[str, str, str], options: Optional[RunOption
         except (TypeError, ValueError):
             sig = attr
         raise ValueError(f"bad options for probe {spec.strip()!r} ({one_line(e)}); the factory is {sig}") from None
+    except Exception as e:  # noqa: BLE001 -- whatever a researcher's factory raises is a bad probe, not a crash
+        raise ValueError(f"probe {spec.strip()!r}: the factory {module}:{attr} raised {one_line(e)}; fix the factory "
+                         "or its options") from None
     if not isinstance(probe, Probe):
         raise ValueError(f"probe {spec.strip()!r}: {module}:{attr} returned a {type(probe).__name__}, not a "
                          "mrl_jax.probes.Probe (return Probe(name, extend, advantages, loss_terms, ..., options=options))")

@@ -75,21 +75,51 @@ def _call(fn: RewardFn, prompt: Any, completion: Any, low: float, high: float,
         return "errors", 0.0, _format_exc(e)
 
 
+Result = tuple[str, float, "str | None"]   # (kind, value, message), as `_classify` gives it
+
+
+def _call_unit(spec: RewardSpec, prompts: Sequence, completions: Sequence, unit: Sequence[int]) -> list[Result] | None:
+    """The results of the items at positions ``unit``: one call of a batched ``fn`` on lists of them, else
+    ``fn(prompt, completion)`` per item. None when a batched call of several items failed as a whole (raised or
+    returned no list of one value per item): the caller retries them one by one."""
+    fn, low, high, none = spec.fn, spec.low, spec.high, spec.allow_none
+    if not spec.batched:
+        return [_call(fn, prompts[p], completions[p], low, high, none) for p in unit]
+    try:
+        out = fn([prompts[p] for p in unit], [completions[p] for p in unit])
+        if not isinstance(out, (list, tuple)) or len(out) != len(unit):
+            raise TypeError(f"returned {_short(out)}; expected a list of {len(unit)} values, one per completion")
+    except BaseException as e:  # noqa: BLE001 -- isolate everything, including SystemExit
+        return None if len(unit) > 1 else [("errors", 0.0, _format_exc(e))]
+    return [_classify(v, low, high, none) for v in out]
+
+
+def units_of(spec: RewardSpec, positions: Sequence[int]) -> list[list[int]]:
+    """``positions`` cut into the calls ``spec`` makes: one per item, or ``spec.batch_size`` items per call."""
+    size = (spec.batch_size or max(len(positions), 1)) if spec.batched else 1
+    return [list(positions[i:i + size]) for i in range(0, len(positions), size)]
+
+
+def unit_limit(spec: RewardSpec, unit: Sequence[int]) -> float | None:
+    """The time limit of a call on ``unit``: ``timeout_s`` per item."""
+    return None if spec.timeout_s is None else spec.timeout_s * len(unit)
+
+
 # Record callback: record(pos, kind, value, message) -> keep going?
 Record = Callable[[int, str, float, "str | None"], bool]
 
 
 # ---------------------------------------------------------------------------------- thread runner
 class _Job:
-    __slots__ = ("fn", "prompts", "completions", "start", "low", "high", "allow_none", "record",
-                 "state", "finished", "abandoned", "stopped", "lock", "done")
+    """The calls left of one batch: ``units`` (lists of positions) in order; ``state`` is ``(unit, start time)`` of
+    the call running, None once the job ended."""
+    __slots__ = ("spec", "prompts", "completions", "record", "units", "state", "abandoned", "stopped", "lock",
+                 "done")
 
-    def __init__(self, fn, prompts, completions, start, low, high, record, allow_none=False):
-        self.fn, self.prompts, self.completions = fn, prompts, completions
-        self.start, self.low, self.high, self.record = start, low, high, record
-        self.allow_none = allow_none
-        self.state = (start, time.perf_counter())  # (position being called, its start time)
-        self.finished = start  # positions < finished are recorded
+    def __init__(self, spec, prompts, completions, units, record):
+        self.spec, self.prompts, self.completions, self.record = spec, prompts, completions, record
+        self.units = collections.deque(units)
+        self.state = (self.units.popleft(), time.perf_counter())
         self.abandoned = self.stopped = False
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -100,17 +130,23 @@ def _thread_worker_main(jobs: "queue.SimpleQueue[_Job | None]") -> None:
         job = jobs.get()
         if job is None:
             return
-        fn, prompts, completions, low, high = job.fn, job.prompts, job.completions, job.low, job.high
-        for pos in range(job.start, len(prompts)):
-            job.state = (pos, time.perf_counter())
-            kind, val, msg = _call(fn, prompts[pos], completions[pos], low, high, job.allow_none)
+        while True:
+            unit = job.state[0]
+            results = _call_unit(job.spec, job.prompts, job.completions, unit)
             with job.lock:
                 if job.abandoned:
                     return  # the caller timed this call out and replaced this thread
-                job.finished = pos + 1
-                if not job.record(pos, kind, val, msg):
-                    job.stopped = True
+                if results is None:
+                    job.units.extendleft([p] for p in reversed(unit))
+                else:
+                    for pos, (kind, val, msg) in zip(unit, results):
+                        if not job.record(pos, kind, val, msg):
+                            job.stopped = True
+                            break
+                if job.stopped or not job.units:
+                    job.state = None
                     break
+                job.state = (job.units.popleft(), time.perf_counter())
         job.done.set()
 
 
@@ -134,33 +170,33 @@ class _ThreadRunner:
             self._thread.start()
 
     def run(self, prompts: Sequence, completions: Sequence, record: Record) -> bool:
-        """Score every item; False when ``record`` asked to stop. Timeouts are recorded here."""
-        n, start, timeout = len(prompts), 0, self.spec.timeout_s
-        while start < n:
+        """Score every item; False when ``record`` asked to stop. Timeouts are recorded here: a batched call past
+        its limit is retried item by item, an item's call scores a timeout."""
+        units = units_of(self.spec, range(len(prompts)))
+        while units:
             self._ensure_worker()
-            job = _Job(self.spec.fn, prompts, completions, start, self.spec.low, self.spec.high, record,
-                       self.spec.allow_none)
+            job = _Job(self.spec, prompts, completions, units, record)
             self._queue.put(job)
+            units = []
             while True:
                 st = job.state
-                if timeout is None:
+                limit = None if st is None else unit_limit(self.spec, st[0])
+                if limit is None:
                     job.done.wait()
                     break
-                remaining = st[1] + timeout - time.perf_counter()
-                if job.done.wait(max(remaining, 5e-4)):
+                if job.done.wait(max(st[1] + limit - time.perf_counter(), 5e-4)):
                     break
-                if job.state is not st or time.perf_counter() < st[1] + timeout:
-                    continue
                 with job.lock:
-                    if job.finished != st[0]:
+                    if job.state is not st:
                         continue  # it returned just in time
                     job.abandoned = True
                     self._abandoned.append(self._thread)
                     self._thread = self._queue = None
-                    keep_going = record(st[0], "timeouts", 0.0, f"call exceeded the {timeout:g} s limit")
-                if not keep_going:
-                    return False
-                start = st[0] + 1
+                    unit, units = st[0], list(job.units)
+                    if len(unit) > 1:
+                        units[:0] = [[p] for p in unit]
+                    elif not record(unit[0], "timeouts", 0.0, f"call exceeded the {limit:g} s limit"):
+                        return False
                 break
             if job.done.is_set():
                 return not job.stopped
@@ -173,27 +209,37 @@ class _ThreadRunner:
 
 
 # --------------------------------------------------------------------------------- process runner
-def _process_worker_main(conn, payload: bytes, low: float, high: float, allow_none: bool = False) -> None:
+def _process_worker_main(conn, payload: bytes) -> None:
+    """Loads the pickled spec, then answers each list of units: ``("done", [(pos, kind, value, message), ...])``
+    per call, ``("split",)`` when a batched call failed as a whole and its items follow one by one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the run's: the parent stops its workers, no traces
     try:
-        fn = pickle.loads(payload)
+        spec = pickle.loads(payload)
     except BaseException as e:  # noqa: BLE001
         conn.send(("fatal", f"could not load the reward function in the worker process: {_format_exc(e)}"))
         return
     conn.send(("ready",))
     while True:
         try:
-            items = conn.recv()
+            units = conn.recv()
         except (EOFError, OSError):
             return
-        if items is None:
+        if units is None:
             return
-        for pos, prompt, completion in items:
-            kind, val, msg = _call(fn, prompt, completion, low, high, allow_none)
-            conn.send((pos, kind, val, msg))
+        for unit in units:
+            positions = [u[0] for u in unit]
+            prompts, completions = {u[0]: u[1] for u in unit}, {u[0]: u[2] for u in unit}
+            results = _call_unit(spec, prompts, completions, positions)
+            if results is not None:
+                conn.send(("done", [(p, *r) for p, r in zip(positions, results)]))
+                continue
+            conn.send(("split",))
+            for p in positions:
+                conn.send(("done", [(p, *_call_unit(spec, prompts, completions, [p])[0])]))
 
 
 class _Worker:
+    """A worker process, the units it holds (lists of positions, the running one first) and that call's start."""
     __slots__ = ("proc", "conn", "pending", "t0")
 
     def __init__(self, proc, conn):
@@ -206,7 +252,7 @@ class _ProcessRunner:
     def __init__(self, spec: RewardSpec, mp_context: str, startup_timeout_s: float):
         self.spec = spec
         try:
-            self._payload = pickle.dumps(spec.fn)
+            self._payload = pickle.dumps(spec)
         except Exception as e:  # noqa: BLE001
             raise ValueError(
                 f"reward {spec.name!r} uses isolation='process' but its function cannot be pickled by reference "
@@ -219,12 +265,8 @@ class _ProcessRunner:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_process_worker_main,
-            args=(child, self._payload, self.spec.low, self.spec.high, self.spec.allow_none),
-            daemon=True,
-            name=f"reward-{self.spec.name}",
-        )
+        proc = self._ctx.Process(target=_process_worker_main, args=(child, self._payload), daemon=True,
+                                 name=f"reward-{self.spec.name}")
         proc.start()
         child.close()
         w = _Worker(proc, parent)
@@ -262,14 +304,14 @@ class _ProcessRunner:
         except Exception:  # noqa: BLE001
             pass
 
-    def _send(self, k: int, positions: list[int], prompts, completions) -> None:
+    def _send(self, k: int, units: list[list[int]], prompts, completions) -> None:
         w = self._workers[k]
         if w is None or not w.proc.is_alive():
             if w is not None:
                 self._kill(w)
             w = self._workers[k] = self._spawn()
-        w.pending = collections.deque(positions)
-        w.conn.send([(p, prompts[p], completions[p]) for p in positions])
+        w.pending = collections.deque(units)
+        w.conn.send([[(p, prompts[p], completions[p]) for p in u] for u in units])
         w.t0 = time.perf_counter()
 
     def _replace(self, k: int, prompts, completions) -> None:
@@ -280,6 +322,34 @@ class _ProcessRunner:
         if rest:
             self._send(k, rest, prompts, completions)
 
+    def _limit(self, k: int) -> float:
+        w = self._workers[k]
+        return w.t0 + unit_limit(self.spec, w.pending[0])
+
+    def _lost(self, k: int, kind: str, msg: str, prompts, completions, record: Record) -> bool:
+        """Worker ``k``'s running call died or ran out of time: its process replaced; a batched call's items
+        retried one by one, an item's call recorded as ``kind``."""
+        unit = self._workers[k].pending.popleft()
+        if len(unit) > 1:
+            self._workers[k].pending.extendleft([p] for p in reversed(unit))
+        self._replace(k, prompts, completions)
+        return len(unit) > 1 or record(unit[0], kind, 0.0, msg)
+
+    def _receive(self, k: int, prompts, completions, record: Record) -> bool:
+        w = self._workers[k]
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            w.proc.join(1.0)
+            return self._lost(k, "errors", f"worker process died (exit code {w.proc.exitcode})", prompts,
+                              completions, record)
+        unit = w.pending.popleft()
+        w.t0 = time.perf_counter()
+        if msg[0] == "split":
+            w.pending.extendleft([p] for p in reversed(unit))
+            return True
+        return all(record(*row) for row in msg[1])
+
     def run(self, prompts: Sequence, completions: Sequence, record: Record) -> bool:
         n = len(prompts)
         if n == 0:
@@ -288,41 +358,25 @@ class _ProcessRunner:
         bounds = np.linspace(0, n, nw + 1).astype(int)
         active: set[int] = set()
         for k in range(nw):
-            self._send(k, list(range(bounds[k], bounds[k + 1])), prompts, completions)
+            self._send(k, units_of(self.spec, range(bounds[k], bounds[k + 1])), prompts, completions)
             active.add(k)
         timeout = self.spec.timeout_s
         try:
             while active:
-                now = time.perf_counter()
-                wait_s = None if timeout is None else max(0.0, min(self._workers[k].t0 for k in active) + timeout - now)
+                wait_s = None if timeout is None else max(0.0, min(self._limit(k) for k in active) - time.perf_counter())
                 conns = {self._workers[k].conn: k for k in active}
                 for conn in multiprocessing.connection.wait(list(conns), timeout=wait_s):
                     k = conns[conn]
-                    w = self._workers[k]
-                    try:
-                        pos, kind, val, msg = conn.recv()
-                    except (EOFError, OSError):
-                        w.proc.join(1.0)
-                        pos = w.pending.popleft()
-                        code = w.proc.exitcode
-                        self._replace(k, prompts, completions)
-                        if not record(pos, "errors", 0.0, f"worker process died (exit code {code})"):
-                            return False
-                    else:
-                        w.pending.popleft()
-                        w.t0 = time.perf_counter()
-                        if not record(pos, kind, val, msg):
-                            return False
+                    if not self._receive(k, prompts, completions, record):
+                        return False
                     if self._workers[k] is None or not self._workers[k].pending:
                         active.discard(k)
                 if timeout is not None:
-                    now = time.perf_counter()
                     for k in list(active):
-                        w = self._workers[k]
-                        if now >= w.t0 + timeout and not w.conn.poll():
-                            pos = w.pending.popleft()
-                            self._replace(k, prompts, completions)
-                            if not record(pos, "timeouts", 0.0, f"call exceeded the {timeout:g} s limit; worker killed"):
+                        if time.perf_counter() >= self._limit(k) and not self._workers[k].conn.poll():
+                            limit = unit_limit(self.spec, self._workers[k].pending[0])
+                            if not self._lost(k, "timeouts", f"call exceeded the {limit:g} s limit; worker killed",
+                                              prompts, completions, record):
                                 return False
                             if self._workers[k] is None or not self._workers[k].pending:
                                 active.discard(k)

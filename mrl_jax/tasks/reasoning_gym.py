@@ -52,7 +52,8 @@ class ReasoningGymConfigError(ValueError):
 
 
 def _check_names(datasets: Mapping, config: Mapping, known: Mapping) -> None:
-    """Every ``datasets`` name is a reasoning-gym dataset, and every ``config`` entry is one of ``datasets``."""
+    """Every ``datasets`` name is a reasoning-gym dataset with a finite weight > 0, and every ``config`` entry is
+    one of ``datasets``."""
     import difflib
 
     for n in datasets:
@@ -61,6 +62,10 @@ def _check_names(datasets: Mapping, config: Mapping, known: Mapping) -> None:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ReasoningGymConfigError(f"config key 'task.datasets.{n}': no reasoning-gym dataset {n!r}; {hint}"
                                           "reasoning_gym.factory.DATASETS lists them all")
+    for n, w in datasets.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
+            raise ReasoningGymConfigError(f"config key 'task.datasets.{n}': weight {w!r} is not a number > 0 (the "
+                                          f"dataset's share of the prompts); give e.g. {n}: 1.0, or drop {n!r}")
     for n in config:
         if n not in datasets:
             raise ReasoningGymConfigError(f"config key 'task.config.{n}': {n!r} has options but is not in "

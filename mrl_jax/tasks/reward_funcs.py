@@ -1,14 +1,17 @@
 """Reward functions named in a run config (``rewards:``), with TRL's signature, and the built-ins.
 
-A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process}`` or
+A config entry is ``{function: "package.module:name", weight, name, isolation: thread | process, batch_size}`` or
 ``{builtin: accuracy | format | overlong, weight, name, ...options}``. A user function has TRL's signature::
 
     fn(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
 
-where ``columns`` are the dataset's other columns (one list per column), as TRL passes them. Each call gets
-one completion (lists of length 1), so the scorer's isolation, per-call time limit and failure counting
-(:mod:`mrl_jax.tasks.rewards`) apply to every item. ``None`` means "not applicable": that component leaves
-the row's weighted sum (TRL's ``nansum``) and its mean/std.
+where ``columns`` are the dataset's other columns (one list per column), as TRL passes them. As in TRL, one call
+gets every completion of the scored batch (``batch_size: N`` in the entry: N per call), so a reward that ranks or
+normalises within its batch sees all of it. The scorer's isolation, time limit (``reward_timeout_s`` per
+completion) and failure counting (:mod:`mrl_jax.tasks.rewards`) apply per call; a call that raises, hangs or
+returns no list of one value per completion is retried one completion at a time, so one bad completion scores 0
+alone and counts as one failure. ``None`` means "not applicable": that component leaves the row's weighted sum
+(TRL's ``nansum``) and its mean/std.
 
 Built-ins: ``accuracy`` -- the task's verifier (its value is also the run's *success*, see
 :func:`mrl_jax.tasks.rewards.gate_success`); ``format`` -- 1.0 when the completion matches ``pattern``
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from mrl_jax.configs import import_attribute
 
@@ -52,21 +55,25 @@ def _columns(prompt: Prompt) -> dict:
 
 
 class TRLReward:
-    """``(prompt, completion) -> float | None`` calling a TRL-signature function on one item. Picklable by its
-    import path, so it runs in worker processes too."""
+    """``(prompts, completions) -> list[float | None]`` calling a TRL-signature function once on lists of the items
+    (a batched :class:`RewardSpec`). Picklable by its import path, so it runs in worker processes too."""
 
     def __init__(self, path: str):
         self.path = path
         self.fn = resolve_function(path)
 
-    def __call__(self, prompt: Prompt, completion: str) -> Any:
-        ids = getattr(completion, "ids", None)
-        kwargs = {k: [v] for k, v in _columns(prompt).items()}
-        out = self.fn(prompts=[prompt.text], completions=[str(completion)],
-                      completion_ids=[ids if ids is not None else []], **kwargs)
-        if not isinstance(out, (list, tuple)) or len(out) != 1:
-            raise TypeError(f"{self.path} must return a list with one value per completion, got {str(out)[:60]}")
-        return out[0]
+    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list:
+        """One value per item; each dataset column a list over the items (None where an item lacks it)."""
+        columns = [_columns(p) for p in prompts]
+        names = list(dict.fromkeys(k for c in columns for k in c))
+        kwargs = {k: [c.get(k) for c in columns] for k in names}
+        ids = [getattr(c, "ids", None) for c in completions]
+        out = self.fn(prompts=[p.text for p in prompts], completions=[str(c) for c in completions],
+                      completion_ids=[i if i is not None else [] for i in ids], **kwargs)
+        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+            raise TypeError(f"{self.path} must return a list with one value per completion ({len(prompts)}), got "
+                            f"{str(out)[:60]}")
+        return list(out)
 
     def __reduce__(self):
         return (TRLReward, (self.path,))
@@ -161,9 +168,14 @@ def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout
                              f"{' | '.join(BUILTINS)}'")
         weight = _weight(entry, key)
         if "function" in entry:
-            extra = sorted(set(entry) - {"function", "weight", "name", "isolation"})
+            extra = sorted(set(entry) - {"function", "weight", "name", "isolation", "batch_size"})
             if extra:
-                raise ValueError(f"config key '{key}': unknown options {extra} (function, weight, name, isolation)")
+                raise ValueError(f"config key '{key}': unknown options {extra} (function, weight, name, isolation, "
+                                 "batch_size)")
+            batch_size = entry.get("batch_size")
+            if batch_size is not None and not (type(batch_size) is int and batch_size >= 1):
+                raise ValueError(f"config key '{key}.batch_size': {batch_size!r} is not a whole number >= 1; give "
+                                 "batch_size: 1 to call the function per completion, or leave it out for the batch")
             isolation = entry.get("isolation", "thread")
             if isolation not in ("thread", "process"):
                 raise ValueError(f"config key '{key}.isolation': {isolation!r} is not 'thread' or 'process'")
@@ -173,7 +185,8 @@ def build_reward_specs(entries: Sequence[Mapping], task: Task | None, *, timeout
                 raise ValueError(str(e).replace("'rewards'", f"'{key}.function'")) from None
             name = entry.get("name") or entry["function"].rpartition(":")[2].rpartition(".")[2]
             specs.append(RewardSpec(fn, weight=weight, name=name, timeout_s=timeout_s, isolation=isolation,
-                                    low=-math.inf, high=math.inf, allow_none=True))
+                                    low=-math.inf, high=math.inf, allow_none=True, batched=True,
+                                    batch_size=batch_size))
             continue
         fn, isolation, (low, high), success = _builtin(entry, task, key)
         specs.append(RewardSpec(fn, weight=weight, name=entry.get("name") or entry["builtin"], timeout_s=timeout_s,

@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 from .base import Prompt, Task
 
 RewardFn = Callable[[Prompt, str], Any]
+#: a batched reward: ``fn(prompts: list[Prompt], completions: list[Completion]) -> list`` (one value per item)
+BatchRewardFn = Callable[[list, list], Sequence]
 ISOLATIONS = ("thread", "process")
 
 
@@ -35,7 +37,8 @@ class RewardSpec:
     """One reward function and how to call it.
 
     Attributes:
-      fn: ``fn(prompt, completion) -> float``.
+      fn: ``fn(prompt, completion) -> float``, or with ``batched`` ``fn(prompts, completions) -> list`` (one
+        value per item, as TRL calls a reward function).
       weight: multiplier in the weighted sum of rewards (may be negative, e.g. a penalty).
       name: stats name (default: the function's ``__name__``); unique within a scorer.
       timeout_s: per-call time limit in seconds (None: no limit -- not recommended).
@@ -44,11 +47,15 @@ class RewardSpec:
       num_workers: worker processes for ``isolation="process"`` (a batch is split between them).
       allow_none: a None return means "not applicable" (TRL): the value is NaN, left out of the weighted sum
         and of this function's mean/std, and not a failure.
+      batched: ``fn`` takes lists of ``batch_size`` items; a call that raises, returns no list of one value per
+        item, or runs past ``timeout_s`` times its item count is retried item by item (lists of one), so one bad
+        completion scores as it would alone and its failure is counted once.
+      batch_size: items per batched call (None: every item of the batch, or of a worker process's share).
       success: this function is the task's verifier: its value (not the weighted sum) decides a verified
         success (``ScoreResult.accuracy``; at most one per scorer).
     """
 
-    fn: RewardFn
+    fn: RewardFn | BatchRewardFn
     weight: float = 1.0
     name: str | None = None
     timeout_s: float | None = 5.0
@@ -57,6 +64,8 @@ class RewardSpec:
     high: float = 1.0
     num_workers: int = 1
     allow_none: bool = False
+    batched: bool = False
+    batch_size: int | None = None
     success: bool = False
 
     def __post_init__(self):
@@ -81,6 +90,8 @@ class RewardSpec:
             raise ValueError(f"RewardSpec {self.name!r}: need low <= high, got [{self.low}, {self.high}]")
         if int(self.num_workers) < 1:
             raise ValueError(f"RewardSpec {self.name!r}: num_workers must be >= 1")
+        if self.batch_size is not None and not (type(self.batch_size) is int and self.batch_size >= 1):
+            raise ValueError(f"RewardSpec {self.name!r}: batch_size must be an int >= 1 or None, got {self.batch_size!r}")
 
 
-__all__ = ["Completion", "ISOLATIONS", "RewardFailure", "RewardFn", "RewardSpec"]
+__all__ = ["BatchRewardFn", "Completion", "ISOLATIONS", "RewardFailure", "RewardFn", "RewardSpec"]

@@ -1,9 +1,15 @@
 """Reward API: plain Python callables, weighted, isolated and time-limited per call.
 
-A reward function is any callable ``fn(prompt: Prompt, completion: str) -> float``. Wrap it in a
+A reward function is any callable ``fn(prompt: Prompt, completion: str) -> float``, or, with
+``RewardSpec(batched=True)``, ``fn(prompts, completions) -> list`` called on lists of ``batch_size`` items (the
+whole batch by default; how TRL calls a reward function, what config ``rewards:`` functions get). Wrap it in a
 :class:`RewardSpec` (weight, name, per-call time limit, isolation, valid range) and score batches with
 a :class:`RewardScorer` (or the one-shot :func:`score_batch`). The batch reward is the weighted *sum*
 ``sum_k weight_k * r_k`` (as TRL's ``reward_weights``).
+
+Batched calls. A call on n items is limited to n x ``timeout_s``; one that raises, runs past that, or returns no
+list of n values is retried item by item (lists of one), so one bad completion scores 0 alone and counts as one
+failure, as it would called per item; each returned value is validated on its own.
 
 Isolation. Every call runs in a worker and is time-limited; a failure never stops the batch:
 

@@ -14,6 +14,8 @@ device count or mesh the run was saved with (8 devices -> 4 works). `read` resto
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import signal
 import sys
 import threading
@@ -126,34 +128,97 @@ def interrupts_deferred(line: str):
         raise KeyboardInterrupt
 
 
+def _quiet(method):
+    """``method`` with orbax's absl log lines kept off stderr (e.g. ``Failed to json parse Metadata file`` for a
+    damaged ``_CHECKPOINT_METADATA``, which orbax then does without); what matters reaches the caller raised."""
+    @functools.wraps(method)
+    def quiet(*args, **kwargs):
+        logger = logging.getLogger("absl")
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            logger.setLevel(level)
+
+    return quiet
+
+
+def _tree_difference(template: Any, saved: dict) -> str | None:
+    """The arrays of ``template`` missing from a checkpoint's ``saved`` ``{path: (shape, dtype)}`` and those only
+    there, as one short phrase (None when the paths agree or the metadata was unreadable)."""
+    if not saved:
+        return None
+    mine = {_norm_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]}
+    missing, extra = sorted(mine - set(saved)), sorted(set(saved) - mine)
+    if not missing and not extra:
+        return None
+    parts = [f"{len(missing)} of this run's arrays are not in it (first {missing[0]})"] if missing else []
+    parts += [f"{len(extra)} of its arrays are not in this run (first {extra[0]})"] if extra else []
+    return "; ".join(parts)
+
+
 class RunCheckpointer:
     """Save / restore ``(state pytree, meta dict)`` per round under ``<out>/checkpoints``."""
 
+    @_quiet
     def __init__(self, out_dir: str | Path, *, keep: int = 2):
         self.directory = (Path(out_dir) / "checkpoints").absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
+    @_quiet
     def latest_round(self) -> int | None:
         """The round of the newest *complete* checkpoint, or None."""
         self._manager.reload()
         return self._manager.latest_step()
 
+    @_quiet
     def save(self, round_index: int, state: Any, meta: dict) -> None:
         """Write the checkpoint of ``round_index`` (blocking; atomic). A Ctrl-C during the write waits for it
         to end (`interrupts_deferred`): orbax's writer threads would otherwise go on filling its temporary
         folder after the main thread left."""
         state = jax.tree.map(_savable, state)
-        with interrupts_deferred(f"mrl: finishing the checkpoint of round {round_index}; Ctrl-C again abandons it"):
-            self._manager.save(round_index, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-            self._manager.wait_until_finished()
+        started = set(threading.enumerate())
+        try:
+            with interrupts_deferred(f"mrl: finishing the checkpoint of round {round_index}; Ctrl-C again abandons "
+                                     "it"):
+                self._manager.save(round_index, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+                self._manager.wait_until_finished()
+        except KeyboardInterrupt:
+            self._abandon(round_index, started)
+            raise
 
+    def _abandon(self, round_index: int, started: set, limit_s: float = 60.0) -> None:
+        """A second Ctrl-C left the write of ``round_index`` unfinished: its writer threads (those the save started,
+        idle thread-pool workers aside) end first -- they would refill the temporary folder, or write metadata
+        through an executor ``close`` shuts down -- with Ctrl-C ignored for at most ``limit_s``; then the folder
+        goes."""
+        import concurrent.futures.thread as pool
+        import shutil
+        import time
+
+        ignored = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+        try:
+            deadline = time.monotonic() + limit_s
+            workers = set(getattr(pool, "_threads_queues", {}))
+            for t in set(threading.enumerate()) - started - workers - {threading.current_thread()}:
+                t.join(max(deadline - time.monotonic(), 0.0))
+            for tmp in self.directory.glob(f"{round_index}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, previous)
+
+    @_quiet
     def all_rounds(self) -> list[int]:
         """Rounds of every complete checkpoint kept, oldest first."""
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
+    @_quiet
     def restore(self, template: Any, round_index: int | None = None) -> tuple[Any, dict]:
         """Restore into the structure of ``template``; returns ``(state, meta)``.
 
@@ -182,8 +247,9 @@ class RunCheckpointer:
         except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types; all mean "unusable"
             msg, outer = _reason(e), " ".join(str(e).split()).lower()
             if "mismatch" in msg.lower() or "mismatch" in outer or "not found in metadata" in outer:
+                diff = _tree_difference(template, saved) or msg.split(":", 2)[-1].strip()[:160]
                 raise CheckpointError(
-                    f"checkpoint {where} does not match this run's config ({msg}). Resume with the config that "
+                    f"checkpoint {where} does not match this run's config ({diff}). Resume with the config that "
                     "wrote it (its copy is config.json next to checkpoints/), or start a new --out directory.") from e
             earlier = [s for s in steps if s < step]
             fix = (f"delete {where} to resume from the previous complete checkpoint (round {earlier[-1]})"
@@ -202,6 +268,7 @@ class RunCheckpointer:
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_meta)[0]
         return {_norm_path(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in leaves if _is_array_meta(m)}
 
+    @_quiet
     def read(self, round_index: int | None = None) -> tuple[Any, dict]:
         """Template-free restore for inspection and comparison: ``(tree of numpy arrays as saved, meta)``
         (nested dicts/lists; no config needed). ``restore`` is what a resumed run uses."""
@@ -218,5 +285,6 @@ class RunCheckpointer:
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return jax.tree.map(np.asarray, restored.state), dict(restored.meta)
 
+    @_quiet
     def close(self) -> None:
         self._manager.close()

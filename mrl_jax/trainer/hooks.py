@@ -8,6 +8,8 @@ exception, after the hook saved what the run needs to resume.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -100,28 +102,63 @@ class LastInputs:
         return path
 
 
+def nonfinite_cause(metrics: dict, probe: str = "none") -> str:
+    """Which term of a skipped update went non-finite, and its fix, from the policy's round ``metrics`` (the
+    loss is the policy-gradient term, KL included, plus the probe chain ``probe``'s loss terms)."""
+    def bad(key: str) -> bool:
+        v = metrics.get(key)
+        return v is not None and not math.isfinite(v)
+
+    if bad("reward_mean") or bad("reward_std"):
+        return (f"the rewards overflow or are not finite (reward_mean {metrics.get('reward_mean')}): check the reward "
+                "functions")
+    if bad("pg_loss"):
+        return (f"the policy-gradient term is non-finite (pg_loss {metrics['pg_loss']}, kl {metrics.get('kl')}) "
+                "with finite rewards: lower the learning rate")
+    if bad("loss"):
+        terms = sorted(k for k in metrics if "/" in k and bad(k))
+        named = f" (non-finite: {', '.join(terms)})" if terms else ""
+        return (f"the loss terms of probe {probe!r} are non-finite (loss {metrics['loss']}, pg_loss "
+                f"{metrics.get('pg_loss')} finite){named}: fix the probe's loss_terms or its options")
+    return (f"the gradient is non-finite with a finite loss (grad_norm {metrics.get('grad_norm')}): lower the "
+            "learning rate")
+
+
 class SkippedUpdatesStop:
     """Stop condition: a policy skipped ``limit`` updates in a row (non-finite loss or gradient; the count is the
-    optimizer state's, ``skipped_in_a_row``, so it runs on across a resume). Before raising ``TrainingStopped`` it
-    saves the round's checkpoint (``save``) and each such policy's last batch
+    optimizer state's, ``skipped_in_a_row``, so it runs on across a resume). The first skip of a streak is one
+    stderr line naming the non-finite term (``nonfinite_cause``; ``probes``: ``{policy: probe spec}``). Before
+    raising ``TrainingStopped`` it saves the round's checkpoint (``save``) and each such policy's last batch
     (``failed_batch_<policy>_round<r>.npz`` in ``out``); wrap the policies with ``recorder`` for the batches."""
 
-    def __init__(self, limit: int, save: CheckpointHook, out: Path):
-        self.limit, self.save, self.out = limit, save, Path(out)
+    def __init__(self, limit: int, save: CheckpointHook, out: Path, probes: dict | None = None):
+        self.limit, self.save, self.out, self.probes = limit, save, Path(out), dict(probes or {})
         self.recorder = LastInputs()
+        self._said: set[str] = set()   # policies whose current streak of skips was reported
+
+    def _cause(self, name: str, metrics: dict) -> str:
+        return nonfinite_cause(metrics, self.probes.get(name, "none"))
 
     def __call__(self, info: RoundInfo) -> None:
+        r = info.round
+        for n, m in info.metrics.items():
+            if m.get("skipped_in_a_row", 0.0) == 0:
+                self._said.discard(n)
+            elif n not in self._said and m.get("skipped", 0.0) > 0 and self.limit > 1:
+                self._said.add(n)
+                print(f"mrl train: round {r}: policy {n!r} skipped its update: {self._cause(n, m)}; the run stops "
+                      f"after {self.limit} in a row (max_skipped_updates)", file=sys.stderr, flush=True)
         bad = [n for n, m in info.metrics.items() if m.get("skipped_in_a_row", 0.0) >= self.limit]
         if not bad:
             return
-        r = info.round
         self.save(info)
         saved = [self.recorder.save(n, self.out / f"failed_batch_{n}_round{r}.npz", info.inputs.prompts, r)
                  for n in bad]
+        causes = "; ".join(f"{n}: {self._cause(n, info.metrics[n])}" for n in bad)
         raise TrainingStopped(
-            f"policies {bad} skipped {self.limit} updates in a row (non-finite loss or gradient); state saved at "
-            f"round {r} in {self.save.ckpt.directory}; the last batch of each is in {[str(p) for p in saved if p]}. "
-            "Lower the learning rate or check the rewards, then --resume.")
+            f"policies {bad} skipped {self.limit} updates in a row ({causes}); state saved at round {r} in "
+            f"{self.save.ckpt.directory}; the last batch of each is in {[str(p) for p in saved if p]}. Fix it, then "
+            "--resume.")
 
 
 def log_hook(log) -> Callable[[RoundInfo], None]:
@@ -151,7 +188,7 @@ def eval_hook(run, log, num_prompts: int) -> Callable[[RoundInfo], None]:
 
 
 __all__ = ["CheckpointHook", "Hook", "LastInputs", "RoundInfo", "SkippedUpdatesStop", "TrainingStopped", "eval_hook",
-           "log_hook"]
+           "log_hook", "nonfinite_cause"]
 
 
 def reward_failure_hook(scorer) -> Callable[[RoundInfo], None]:

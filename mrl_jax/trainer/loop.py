@@ -367,7 +367,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
         if progress:
             _show_warm_starts(run)
     save = CheckpointHook(ckpt, lambda s: _host_state(run, s))
-    stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out)
+    stop = SkippedUpdatesStop(cfg.max_skipped_updates, save, out, probes={p.name: p.probes for p in cfg.policies})
     r, finished = start, False
     before = _before(run, state, out, start, primary)
     try:

@@ -82,11 +82,16 @@ def validate_report_to(report_to: Sequence[str]) -> list[str]:
 
 
 class TensorBoardTracker:
-    """Scalars to ``<run>/tb`` (tensorboardX); ``purge_step`` hides events of redone rounds on resume."""
+    """Scalars to ``<run>/tb`` (tensorboardX); ``purge_step`` hides events of redone rounds on resume. A NaN scalar
+    (a skipped update's loss) is written as it is, without tensorboardX's ``NaN or Inf found`` warning: the run
+    says itself which term went non-finite."""
 
     def __init__(self, out_dir: Path, purge_step: int | None = None):
+        import logging
+
         from tensorboardX import SummaryWriter
 
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         self._writer = SummaryWriter(str(out_dir / "tb"), flush_secs=30, purge_step=purge_step)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
