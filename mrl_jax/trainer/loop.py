@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-from mrl_jax.compile_stats import CompileCounter
+from mrl_jax.trainer.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
 from mrl_jax.mwra.distributed import watch_run
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_reward_specs, task_reward
