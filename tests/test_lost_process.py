@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import support
 from mrl_jax.trainer.watchdog import LOST_EXIT_CODE
 
@@ -63,6 +65,35 @@ def test_an_abort_is_held_only_for_its_wait(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -6 and "waiting up to 1 s" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
     assert 1.0 <= time.monotonic() - t0 < 25
+
+
+@pytest.mark.parametrize("how", ["released", "handed back"])
+def test_an_abort_goes_on_at_once_once_the_hold_is_released_or_handed_back(how):
+    """A released hold (the watchdog stopped: the run is leaving) lets an abort go on at once, without the waiting
+    line; ``release()`` puts the handler before it back, here libc's default."""
+    stop = "done.set()" if how == "released" else "hold.release()"
+    script = ("import ctypes, threading, time\n"
+              "from mrl_jax.trainer.watchdog import AbortHold\n"
+              "done = threading.Event()\n"
+              "hold = AbortHold(30.0, done).install()\n"
+              f"{stop}\n"
+              "threading.Thread(target=ctypes.CDLL(None).abort).start()\n"
+              "time.sleep(30)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -6 and "native abort" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert time.monotonic() - t0 < 25
+
+
+def test_a_single_process_watchdog_is_a_no_op(tmp_path):
+    """One process: ``start`` starts no thread and installs nothing; ``stop`` (also twice) returns at once."""
+    from mrl_jax.trainer.watchdog import Watchdog
+
+    dog = Watchdog(tmp_path, 3)
+    assert dog.start() is dog and dog._thread is None and dog._aborts is None
+    dog.stop()
+    dog.stop()
+    assert dog.patience_s == 13
 
 
 def test_processes_that_finish_apart_both_end_with_0(tmp_path):
