@@ -76,9 +76,18 @@ def test_own_command_benchmarks_run_only_when_named(bench_dir, tmp_path, monkeyp
     assert harness.run_benchmarks(tmp_path / "o", quick=False, only=["cheap"])["benchmarks"]["cheap"]["items_per_s"] == 123.0
 
 
-def test_unknown_name_raises(bench_dir, tmp_path):
+def test_unknown_name_is_one_line_naming_the_flag(bench_dir, tmp_path, capsys):
+    """An unknown ``--only`` name is a config error (exit 2, one line, the names to choose from); ``probes``, a
+    benchmark script once, points to its own verb."""
+    from mrl_jax import cli
+
     with pytest.raises(ValueError, match="unknown benchmark"):
         harness.run_benchmarks(tmp_path / "out", quick=True, only=["cheap", "nope"])
+    for only, tail in (("cheap,nope", ""), ("probes", "; the probe comparison is its own verb: `mrl bench probes`")):
+        assert cli.main(["bench", "--only", only, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        unknown = only.split(",")[-1]
+        assert err == f"mrl bench: config error: --only: unknown benchmark(s) {unknown}; choose from broken, cheap{tail}"
 
 
 def test_missing_bench_dir_raises(tmp_path, monkeypatch):

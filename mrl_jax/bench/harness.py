@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from mrl_jax.bench import load as bench_load
+from mrl_jax.configs import ConfigError
 from mrl_jax.report.progress import Progress
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -121,7 +122,8 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     names = available()
     unknown = sorted(set(only or []) - set(names))
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; available: {names}")
+        hint = "; the probe comparison is its own verb: `mrl bench probes`" if "probes" in unknown else ""
+        raise ConfigError(f"--only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(names)}{hint}")
     results: dict[str, dict] = {}
     chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else [n for n in names if n not in OWN_COMMAND])
     for name in sorted(set(names) - set(chosen)) if not only else ():
