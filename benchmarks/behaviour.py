@@ -23,7 +23,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))   # support: the run comparisons
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compare reads checkpoints: no TPU backend probed where libtpu is installed
 RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "groups.jsonl")
 SKIPPED_CONFIGS = ("real_checkpoints.yaml",)
@@ -97,10 +96,23 @@ def _records(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def checkpoint_leaves(run_dir: Path) -> list[tuple[str, object]]:
+    """``[(path, np.ndarray)]`` of a run's latest checkpoint, read without a template."""
+    import jax
+
+    from mrl_jax.trainer.checkpoint import RunCheckpointer
+
+    ckpt = RunCheckpointer(run_dir)
+    try:
+        tree, _ = ckpt.read()
+    finally:
+        ckpt.close()
+    return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def compare(a: Path, b: Path, rtol: float = 1e-6) -> dict:
     """``{run: [differences]}`` between two recordings (an empty list: the same to ``rtol``)."""
     import numpy as np
-    from support import checkpoint_leaves
 
     report = {}
     for run in sorted(p.name for p in a.iterdir() if p.is_dir() and p.name != "runs"):
@@ -111,7 +123,7 @@ def compare(a: Path, b: Path, rtol: float = 1e-6) -> dict:
             _diff(json.loads((a / run / "summary.json").read_text()),
                   json.loads((b / run / "summary.json").read_text()), "summary.json", rtol, found)
         if (a / run / "checkpoints").exists():
-            (la, _), (lb, _) = checkpoint_leaves(a / run), checkpoint_leaves(b / run)
+            la, lb = checkpoint_leaves(a / run), checkpoint_leaves(b / run)
             if [p for p, _ in la] != [p for p, _ in lb]:
                 found.append(f"checkpoint: leaf paths differ ({len(la)} vs {len(lb)} leaves)")
             for (p, x), (_, y) in zip(la, lb):

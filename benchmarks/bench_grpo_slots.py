@@ -53,7 +53,7 @@ def bench(P: int, G: int, Tp: int, N: int, hidden: int, layers: int, stop: int |
         stats.update(st)
         return out.tokens
 
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
 
     first = {}
     for name, fn in (("static", static), ("slots", slots)):   # compiles

@@ -114,7 +114,7 @@ def _child(quick: bool) -> dict:
     def single(i):
         keep(pols[i], jax.block_until_ready(call(pols[i])))
 
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
 
     times = {"sequential": [], "concurrent": [], "policy0_alone": [], "policy1_alone": []}
     with section("mwra_round") as out["load"]:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "experiments" / "configs" / "tiny_two_policy.yaml"
 MODELS = {"Qwen2.5-0.5B": 494_032_768, "SmolLM2-1.7B": 1_711_376_384, "Llama-3.1-8B": 8_030_261_248}
 GB80 = 80 * 10 ** 9
 
@@ -49,15 +50,18 @@ def plans() -> dict:
 
 
 _CHILD = r"""
-import json, sys, time
-sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
-import support
-support.enable_compile_cache()
+import sys
+sys.path.insert(0, {repo!r})
+import yaml
+from mrl_jax import compile_cache
+from mrl_jax.configs import from_dict
+from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.loop import train
-cfg = support.tiny_config(rounds={rounds}, **{{"policies.0.cost": 1.0, "policies.1.cost": 3.0}})
-cfg["mwra"] = {{"min_size": 0}}
-cfg["report_to"] = ["jsonl"]
-train(support.to_run_config(cfg), sys.argv[1], progress=False)
+compile_cache.enable()   # as the `mrl` verbs: MRL_COMPILATION_CACHE moves it or turns it off
+cfg = yaml.safe_load(open({config!r}))
+cfg["rounds"], cfg["mwra"], cfg["report_to"] = {rounds}, {{"min_size": 0}}, ["jsonl"]
+cfg["policies"][0]["cost"], cfg["policies"][1]["cost"] = 1.0, 3.0
+train(from_dict(RunConfig, cfg), sys.argv[1], progress=False)
 """
 
 
@@ -87,8 +91,9 @@ def rounds(quick: bool = False) -> dict:
             env = dict(os.environ, JAX_PLATFORMS="cpu",
                        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
             load0 = os.getloadavg()[0]
-            subprocess.run([sys.executable, "-c", _CHILD.format(repo=str(REPO), rounds=n_rounds), tmp], env=env,
-                           check=True, capture_output=True, text=True, timeout=1200)
+            child = _CHILD.format(repo=str(REPO), config=str(TINY_CONFIG), rounds=n_rounds)
+            subprocess.run([sys.executable, "-c", child, tmp], env=env, check=True, capture_output=True, text=True,
+                           timeout=1200)
             load1 = os.getloadavg()[0]
             fig = _round_figures(Path(tmp))
             fig.update({"load1_before": load0, "load1_after": load1, "contended": max(load0, load1) > 0.5,

@@ -149,7 +149,7 @@ def bench_family(family: str, s: dict) -> dict:
     from flax import nnx
 
     from mrl_jax import models
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
     from mrl_jax.rollout import SamplingConfig, generate
 
     hf = _hf_model(family, s)
@@ -283,7 +283,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
     when the slot sampler's tokens differ from the static ones."""
     import jax
 
-    from mrl_jax.compile_stats import CompileCounter
+    from mrl_jax.trainer.compile_stats import CompileCounter
     from mrl_jax.rollout import generate
     from mrl_jax.rollout_slots import Ladder, generate_slots, ladder, ladder_row_steps, min_row_steps
 
@@ -331,7 +331,7 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
     import jax
     import torch
 
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
     from mrl_jax.rollout import generate
     from mrl_jax.rollout_slots import generate_slots
 

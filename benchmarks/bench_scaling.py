@@ -62,7 +62,7 @@ def _measure(num_policies: int, G: int, s: dict, cache_dir: str) -> dict:
     run = Run(cfg, cache_dir=cache_dir)
     state = run.initial_state()   # warm_start.steps defaults to 0: the built weights
     build_s = time.perf_counter() - t0
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
 
     times, phases = [], []
     with RewardScorer([task_reward(run.task, timeout_s=cfg.reward_timeout_s)]) as scorer, \

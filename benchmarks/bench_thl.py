@@ -98,7 +98,7 @@ def run(quick: bool = False, *, src_name: str = "gpt2", dst_name: str = "mistral
     dst_lists = dst.encode_batch(texts[:8], continuation=True, parse_special=False)
     thl.align_batch(texts[:8], src, dst, src_pad[:8], src_lengths=lengths[:8], dst_ids_list=dst_lists)
 
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
 
     load_cm = section("thl_align")
     load = load_cm.__enter__()

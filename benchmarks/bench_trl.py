@@ -223,7 +223,7 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int, shape: dict, prom
 
 def _compare(hf_tok, model_dir: str, root: str, plan: dict, name: str, shape: dict) -> dict:
     """Ours then TRL on one shape; figures, loads and the speedups."""
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
 
     prompts = _prompts(64, shape["prompt_tokens"], hf_tok)
     out = dict(shape=dict(shape, mean_prompt_tokens=float(np.mean([len(x) for x in hf_tok(text=prompts)["input_ids"]]))))

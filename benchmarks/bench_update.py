@@ -57,7 +57,7 @@ def bench_probe(name: str, c: dict, batch, view) -> dict:
     import jax
     from flax import nnx
 
-    from mrl_jax.bench_env import section
+    from mrl_jax.bench.load import section
     from mrl_jax.learner import GRPOConfig, make_optimizer, make_update_step
     from mrl_jax.models import tiny_model
 

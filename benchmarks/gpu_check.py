@@ -447,13 +447,13 @@ def main(argv=None) -> int:
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="wait at most SECONDS for the host to be quiet first (load below 0.25 per core)")
     args = p.parse_args(argv)
-    from mrl_jax import bench_env
+    from mrl_jax.bench import load as bench_load
 
     out = args.out or os.path.join(os.environ.get("OUT") or ".", "gpu_check.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     ctx = Context(args=args, out_path=out, t_start=time.perf_counter(), results={"sections": {}})
     if args.wait_idle > 0:
-        ctx.results["wait_idle"] = bench_env.wait_idle(args.wait_idle)
+        ctx.results["wait_idle"] = bench_load.wait_idle(args.wait_idle)
     wanted = set(args.sections.split(",")) if args.sections else None
     for name, fn, need in SECTIONS:
         if wanted is not None and name not in wanted:
@@ -463,7 +463,7 @@ def main(argv=None) -> int:
             _write(ctx)
             continue
         t0 = time.perf_counter()
-        with bench_env.section(name) as load:  # host load: a busy host delays dispatch on any device
+        with bench_load.section(name) as load:  # host load: a busy host delays dispatch on any device
             try:
                 r = fn(ctx)
             except Exception as e:

@@ -115,11 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     bandit.add_argument("--seed", type=int, default=0, help="base random seed")
 
     bench = sub.add_parser("bench", help="benchmarks of every piece (see benchmarks/RESULTS.md); `mrl bench probes`: "
-                           "the probe comparison (benchmarks/bench_probes.py)")
+                           "the probe comparison (mrl_jax.bench.probes)")
     bench.add_argument("which", nargs="?", choices=["probes"], default=None,
                        help="probes: compare probes on the same work (PROBES.md, probes.json, figures in --out)")
     bench.add_argument("--probes", default=None, help="with `probes`: comma-separated probe specs (built-ins, chains, "
-                       "pkg.mod:factory[:k=v]); default: the built-ins, their chains and the worked example")
+                       "pkg.mod:factory[:k=v]); default: the built-ins and two chains")
     bench.add_argument("--tasks", default=None, help="with `probes`: comma-separated tasks, facts and/or reasoning "
                        "(default both)")
     bench.add_argument("--jobs", type=int, default=1, help="with `probes`: cells trained at once, one process each")
@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="first wait up to SECONDS for the 1-minute load average to fall below --idle-load "
                        "(figures taken above it are marked contended)")
     bench.add_argument("--idle-load", type=float, default=None, metavar="LOAD",
-                       help="the idle threshold (default 0.5 on this machine's core count; see bench_env)")
+                       help="the idle threshold (default 0.5 on this machine's core count; see mrl_jax.bench.load)")
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run directory",
                             description="Read a run directory of `mrl train` (metrics.jsonl, groups.jsonl, "

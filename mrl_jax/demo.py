@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mrl_jax.progress import Progress, round_figures
+from mrl_jax.report.progress import Progress, round_figures
 from mrl_jax.tasks import FactTableTask, MixtureTask, RewardScorer, StringTask, task_reward
 from mrl_jax.trainer.config import (ModelSpec, OptimizerSpec, PolicySpec, RunConfig, SamplingSpec, SeeSpec,
                                     TokenizerSpec, WarmStartSpec)

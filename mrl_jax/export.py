@@ -26,7 +26,7 @@ from pathlib import Path
 from flax import nnx
 
 from mrl_jax import models
-from mrl_jax.chat import tokenizer_folder
+from mrl_jax.tokenization.chat import tokenizer_folder
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 

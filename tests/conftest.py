@@ -89,7 +89,7 @@ if os.environ.get("MRL_TEST_COMPILE_REPORT"):
     def _compile_report(request):
         import json
 
-        from mrl_jax.compile_stats import CompileCounter
+        from mrl_jax.trainer.compile_stats import CompileCounter
 
         with CompileCounter() as cc:
             yield

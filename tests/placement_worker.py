@@ -26,8 +26,10 @@ import jax  # noqa: E402
 
 if len(sys.argv) > 4 and sys.argv[1] in ("mp", "mpresume"):   # join the two-process run before any other JAX call
     from mrl_jax.mwra import initialize_distributed
+    from mrl_jax.trainer.watchdog import Watchdog
 
-    initialize_distributed(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]), heartbeat_timeout_s=10)
+    info = initialize_distributed(f"localhost:{sys.argv[4]}", 2, int(sys.argv[3]), heartbeat_timeout_s=10)
+    Watchdog(Path(sys.argv[2]) / "mp", info.heartbeat_timeout_s).start()   # as `mrl train` does; stopped at exit
 
 import numpy as np  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The test suite's support library: the tiny two-policy config, fault-injecting rewards, ``train`` in a child
 process with kill hooks, and the comparisons of run directories (records, checkpoints). Used by the tests (tests/ is
-on their path: ``import support``), by ``benchmarks/soak.py`` and by ``benchmarks/behaviour.py``.
+on their path: ``import support``) and by ``tests/soak.py``.
 
     python tests/support.py child SPEC.json     # what `run_child` starts: one train run, exit 0 / 3 / 4
 """

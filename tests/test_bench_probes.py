@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from benchmarks import bench_probes as B
+from mrl_jax.bench import probes as B
 
 pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 HEDGE = "experiments.probes.hedge:hedge:lam=0.5+sgt"

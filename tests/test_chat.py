@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mrl_jax import models
-from mrl_jax.chat import ChatTemplateError, PromptFormat, read_chat_template, stop_ids
+from mrl_jax.tokenization.chat import ChatTemplateError, PromptFormat, read_chat_template, stop_ids
 from mrl_jax.configs import ConfigError, from_dict
 from mrl_jax.rollout import SamplingConfig, generate
 from mrl_jax.tokenization import load_tokenizer

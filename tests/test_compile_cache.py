@@ -91,7 +91,7 @@ def test_compile_counter_counts_programs_not_calls():
     import jax
     import jax.numpy as jnp
 
-    from mrl_jax.compile_stats import CompileCounter
+    from mrl_jax.trainer.compile_stats import CompileCounter
 
     f = jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0)
     xs = [jnp.ones((n,), jnp.float32) for n in (3, 5, 7)]

@@ -47,7 +47,7 @@ def test_chat_end_of_turn_outside_the_stop_set_warns(shared_tokenizers_dir, caps
     """A chat policy stops at its template's turn end when it is one of ``chat.TURN_END_TOKENS`` (Phi-3's
     ``<|end|>`` has no generation_config to name it); a turn end outside that list and the stop set is one
     warning line whose advice, followed, silences it."""
-    from mrl_jax import chat
+    from mrl_jax.tokenization import chat
 
     if not known:
         monkeypatch.setattr(chat, "TURN_END_TOKENS", ())

@@ -1,4 +1,4 @@
-"""pass@k, maj@K and the population metrics (mrl_jax.evaluation)."""
+"""pass@k, maj@K and the population metrics (mrl_jax.trainer.evaluation_metrics)."""
 import itertools
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mrl_jax.evaluation import (k_values, maj_at_k, pass_at_k, pass_at_k_per_prompt, population_metrics,
+from mrl_jax.trainer.evaluation_metrics import (k_values, maj_at_k, pass_at_k, pass_at_k_per_prompt, population_metrics,
                                 sample_metrics, transfer_matrix)
 
 

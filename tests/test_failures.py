@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:
 
 import support  # noqa: E402
 from mrl_jax.cli import main  # noqa: E402
-from mrl_jax.compile_stats import CompileCounter  # noqa: E402
+from mrl_jax.trainer.compile_stats import CompileCounter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 

@@ -100,7 +100,7 @@ def test_demo_quick(fresh_clone):
 def test_family_models_then_the_families_run_and_its_report(fresh_clone):
     """The Phi-3-style tokenizer is trained when no ../shared is there (with Phi-3's control tokens and chat
     template); `prompt_format: chat` renders with jinja2, a main dependency."""
-    from mrl_jax.chat import PromptFormat
+    from mrl_jax.tokenization.chat import PromptFormat
     from mrl_jax.tokenization import load_tokenizer
 
     _ok(fresh_clone, FAMILY_MODELS)
@@ -156,7 +156,7 @@ def test_reasoning_commands(fresh_clone):
 def test_chat_without_jinja2_names_jinja2_not_the_template(tmp_path, monkeypatch):
     import transformers.utils.chat_template_utils as ctu
 
-    from mrl_jax.chat import ChatDependencyError, PromptFormat
+    from mrl_jax.tokenization.chat import ChatDependencyError, PromptFormat
     from mrl_jax.tokenization import train_tokenizer
 
     folder = tmp_path / "tok"

@@ -242,14 +242,14 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
     llama_bpe's mesh (with a KL reference and the slot sampler at 6 slots, fewer than its rows) spans both
     processes (6 devices: 4 + 2), gpt2_uni's lies inside process 1 (2 devices).
     Process 1 is killed (-9) after the first checkpoint: process 0 prints one line naming it, the intact
-    checkpoint and the resume, and exits with `mwra.LOST_EXIT_CODE`. Both resumed to 3 rounds equal an
+    checkpoint and the resume, and exits with `LOST_EXIT_CODE` (its `trainer.watchdog.Watchdog`). Both resumed to 3 rounds equal an
     uninterrupted single-process 8-device run: the same records (no duplicate, none missing), final params
     within 1e-5."""
     sys.path.insert(0, str(WORKER.parent))
     from placement_worker import by_path
 
-    from mrl_jax import mwra
     from mrl_jax.trainer.checkpoint import RunCheckpointer
+    from mrl_jax.trainer.watchdog import LOST_EXIT_CODE
 
     procs, _ = _start_two("mp", tmp_path)
     try:
@@ -259,7 +259,7 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
         for p in procs:
             p.kill()
     lines = [ln for ln in err0.splitlines() if ln.startswith("mrl train: process 1 of 2 stopped answering")]
-    assert procs[0].returncode == mwra.LOST_EXIT_CODE and len(lines) == 1, err0[-4000:]
+    assert procs[0].returncode == LOST_EXIT_CODE and len(lines) == 1, err0[-4000:]
     assert re.search(r"the checkpoint of round \d+ in .*checkpoints is intact", lines[0]) and "--resume" in lines[0]
 
     procs, paths = _start_two("mpresume", tmp_path)
@@ -300,7 +300,7 @@ def test_two_processes_spanning_policy_survive_a_lost_process(tmp_path):
 def test_lost_process_line_names_the_process_and_the_complete_checkpoint(tmp_path, monkeypatch):
     """The survivor's line: the dead processes, the newest *complete* checkpoint (orbax's temporary folder of a
     later round ignored), the resume command; a coordinator that stops answering is named as such."""
-    from mrl_jax.mwra.distributed import lost_process_line
+    from mrl_jax.trainer.watchdog import lost_process_line
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/mrl", "train", "--config", "run.yaml", "--out", str(tmp_path)])
     for name in ("2", "3", "4.orbax-checkpoint-tmp-17", "notes"):

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import mrl_jax.progress as progress_mod
+import mrl_jax.report.progress as progress_mod
 
-from mrl_jax.progress import Progress, compile_seconds, round_figures
+from mrl_jax.report.progress import Progress, compile_seconds, round_figures
 from mrl_jax.trainer.metrics import RunLog
 
 METRICS = {"llama": {"reward/mean": 0.25, "reward/success_rate": 0.125, "kl": 0.002, "sgt/rows_fired": 3.0,

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from mrl_jax import models
-from mrl_jax.compile_stats import CompileCounter
+from mrl_jax.trainer.compile_stats import CompileCounter
 from mrl_jax.rollout import SamplingConfig, generate, left_pad
 from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
                                    ragged, slot_count, slot_rollout, trace_count)

@@ -1,5 +1,5 @@
 """One process of a 2-process run for tests/test_lost_process.py: joins through `mwra.initialize_distributed`
-(3 s heartbeat), starts the watchdog (`mwra.watch_run`), then plays its part of ``mode``:
+(3 s heartbeat), starts the watchdog (`trainer.watchdog.Watchdog`), then plays its part of ``mode``:
 ``kill1`` -- process 1 kills itself (SIGKILL) after 1 s, process 0 waits;
 ``abort0`` -- as ``kill1``, and half a second after the kill a thread of process 0 aborts (libc ``abort``, as gloo's
 ``std::terminate`` does when a collective's peer died under it);
@@ -14,10 +14,11 @@ import time
 import jax
 
 from mrl_jax import mwra
+from mrl_jax.trainer.watchdog import Watchdog
 
 mode, out, me, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-mwra.initialize_distributed(f"localhost:{port}", 2, me, heartbeat_timeout_s=3)
-mwra.watch_run(out)
+info = mwra.initialize_distributed(f"localhost:{port}", 2, me, heartbeat_timeout_s=3)
+Watchdog(out, info.heartbeat_timeout_s).start()   # stopped at exit
 print(f"process {me} up", file=sys.stderr, flush=True)
 if mode in ("kill1", "abort0") and me == 1:
     time.sleep(1)

@@ -16,7 +16,7 @@ from mrl_jax.bandit import lab_probes as LP
 from mrl_jax.bandit import measure as M
 from mrl_jax.bandit import report as R
 from mrl_jax.configs import check, field, load_yaml, to_dict
-from mrl_jax.progress import Progress
+from mrl_jax.report.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True)

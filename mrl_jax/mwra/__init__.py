@@ -14,8 +14,7 @@ from mrl_jax.mwra.allocation import (
     plan,
     proportional_split,
 )
-from mrl_jax.mwra.distributed import (LOST_EXIT_CODE, DistributedInfo, barrier, initialize_distributed, lockstep, owners,
-                                      watch_run)
+from mrl_jax.mwra.distributed import DistributedInfo, barrier, initialize_distributed, lockstep, owners
 from mrl_jax.mwra.sharding import (
     DEFAULT_MIN_SIZE,
     DEFAULT_RULES,
@@ -35,9 +34,9 @@ from mrl_jax.mwra.sharding import (
 
 __all__ = [
     "lockstep", "owners",
-    "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "LOST_EXIT_CODE", "REPLICATED",
+    "BYTES_PER_PARAM_TRAINING", "DEFAULT_MIN_SIZE", "DEFAULT_RULES", "FSDP", "REPLICATED",
     "DistributedInfo", "Plan", "PlanError", "PolicyPlan", "allocate", "barrier", "row_sharding", "row_shardings",
     "devices_of",
     "estimate_memory_bytes", "initialize_distributed", "opt_state_shardings", "param_shardings", "path_str", "plan",
-    "proportional_split", "put", "shard_rows", "spec_for", "to_mesh", "watch_run",
+    "proportional_split", "put", "shard_rows", "spec_for", "to_mesh",
 ]

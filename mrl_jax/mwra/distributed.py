@@ -8,7 +8,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -27,12 +26,16 @@ class DistributedSetupError(ConfigError):
     coordinator never answered; the message names the flag and the fix."""
 
 
+DEFAULT_HEARTBEAT_S = 100   # JAX's own heartbeat timeout, where none is set
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedInfo:
     initialized: bool  # True when jax.distributed is running (multi-process)
     process_id: int
     num_processes: int
     coordinator_address: str | None
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_S   # a process silent this long is dead (`trainer.watchdog`)
 
 
 def _env(names: tuple[str, ...]) -> str | None:
@@ -119,7 +122,6 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     except AttributeError:
         pass
     extra = {} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}
-    _WATCH["heartbeat_s"] = heartbeat or 100
     print(f"waiting for coordinator {coordinator_address} (process {process_id} of {num_processes}, timeout "
           f"{timeout} s)", file=sys.stderr, flush=True)
     if process_id != 0:   # process 0 serves the coordinator; the others first see its port open (JAX aborts)
@@ -128,19 +130,31 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     _initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
                 local_device_ids=local_device_ids, initialization_timeout=timeout + JOIN_GRACE_S, **extra)
     joined.set()
-    return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address)
+    return DistributedInfo(True, jax.process_index(), jax.process_count(), coordinator_address,
+                           heartbeat or DEFAULT_HEARTBEAT_S)
 
 
 def _initialize(**kwargs) -> None:
     """`jax.distributed.initialize` with a recoverable coordination service: a process that stops answering is
-    marked dead (`watch_run` sees it and stops this process with one line) instead of the service pushing a fatal
-    error that JAX's C++ client turns into an abort (exit 134) racing that line."""
+    marked dead (`trainer.watchdog.Watchdog` sees it and stops this process with one line) instead of the service
+    pushing a fatal error that JAX's C++ client turns into an abort (exit 134) racing that line."""
     try:
         jax.config.update("jax_enable_recoverability", True)
     except AttributeError:   # a JAX without the option: the abort may then win the race (docs/multihost.md)
         pass
     jax.distributed.initialize(**kwargs)
-    atexit.register(_leave)   # runs before JAX's own exit hook (registered at import): see _leave
+    patience = kwargs.get("heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_S) + 10
+    atexit.register(_leave, patience)   # runs before JAX's own exit hook (registered at import): see _leave
+
+
+def coordination_client():
+    """This process's client of JAX's coordination service (``wait_at_barrier``, ``get_live_nodes``); None in a
+    single-process run. From ``jax._src``: jax 0.10 has no public accessor (``jax.distributed`` exposes
+    ``initialize`` / ``is_initialized`` / ``shutdown`` only, and ``multihost_utils.live_devices`` is a collective
+    every process must enter, not a query one process can make)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
 
 
 JOIN_GRACE_S = 30   # JAX's own start-up limit is this much later than ours: its expiry is an abort (exit 134)
@@ -192,21 +206,14 @@ def barrier(name: str, process_ids=None, timeout_s: float = 3600.0) -> None:
     Through the coordination service (``jax.distributed``), not the devices, so it never interleaves with a
     program's collectives. Each call gets the next number for ``(name, process_ids)``: the processes must make
     the same sequence of calls. A no-op in a single-process run."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = coordination_client()
     if client is None or jax.process_count() == 1:
         return
     procs = tuple(sorted(process_ids)) if process_ids is not None else None
     n = _BARRIERS[(name, procs)] = _BARRIERS.get((name, procs), -1) + 1
     label = "all" if procs is None else "-".join(map(str, procs))
-    try:
-        client.wait_at_barrier(f"{name}.{label}.{n}", int(timeout_s * 1000),
-                               None if procs is None or len(procs) == jax.process_count() else list(procs))
-    except Exception:
-        if _WATCH["thread"] is not None:   # a lost process: let the watchdog say so (and exit) first
-            _WATCH["thread"].join(timeout=10)
-        raise
+    client.wait_at_barrier(f"{name}.{label}.{n}", int(timeout_s * 1000),
+                           None if procs is None or len(procs) == jax.process_count() else list(procs))
 
 
 def owners(mesh) -> list[int]:
@@ -245,106 +252,20 @@ def lockstep(mesh, fn: Callable) -> Callable:
     return call
 
 
-LOST_EXIT_CODE = 75   # a process of the run was lost: resume every process (EX_TEMPFAIL)
-WATCH_PERIOD_S = 1.0   # how often the watchdog asks the coordination service which processes are alive
-_WATCH: dict = {"out": None, "thread": None, "closing": threading.Event(), "failed": False, "heartbeat_s": 100}
-
-
-def watch_run(out_dir) -> None:
-    """Multi-process runs: name ``out_dir`` as the run whose checkpoints a lost-process notice points to, and
-    start (once per process) the watchdog: a daemon thread asking the coordination service every
-    `WATCH_PERIOD_S` which processes are alive. When one is declared dead (no heartbeat within the heartbeat
-    timeout), or the coordinator stops answering, it prints one line -- which process was lost, the intact
-    checkpoint round, the resume command -- and exits with `LOST_EXIT_CODE`. A no-op in a single-process run."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None or jax.process_count() == 1:
-        return
-    _WATCH["out"] = Path(out_dir)
-    if _WATCH["thread"] is not None:
-        return
-    hook = sys.excepthook
-
-    def failed(*exc):   # an uncaught error (a collective that lost its peer): let the watchdog speak at exit
-        _WATCH["failed"] = True
-        hook(*exc)
-
-    sys.excepthook = failed
-    everyone, closing = list(range(jax.process_count())), _WATCH["closing"]
-
-    def watch():
-        while not closing.wait(WATCH_PERIOD_S):
-            try:
-                dead = sorted(set(everyone) - set(client.get_live_nodes(everyone)))
-            except Exception:  # noqa: BLE001 -- the coordinator (process 0) no longer answers
-                dead = None
-            # a peer leaving at the end of a finished run looks the same for a moment: this process is then
-            # past the exit barrier and sets `closing` within the grace period
-            if (dead is None or dead) and not closing.wait(2 * WATCH_PERIOD_S):
-                print(lost_process_line(dead, _WATCH["out"]), file=sys.stderr, flush=True)
-                os._exit(LOST_EXIT_CODE)
-
-    _WATCH["thread"] = threading.Thread(target=watch, name="mrl-watch", daemon=True)
-    _WATCH["thread"].start()
-    hold_aborts(_WATCH["heartbeat_s"] + 5 * WATCH_PERIOD_S)
-
-
-def hold_aborts(wait_s: float) -> None:
-    """Hold a native abort (SIGABRT) for up to ``wait_s`` while the watchdog runs. A peer killed in the middle of
-    a collective can make gloo ``std::terminate`` this process from its own thread ("op.preamble.length <=
-    op.nbytes": the ranks no longer agree on which collective they are in), which no Python code can catch. The
-    aborting thread waits instead, so the watchdog can name the lost process and exit with `LOST_EXIT_CODE`;
-    past ``wait_s``, or once the watchdog stopped (the run is leaving), the abort goes on. A no-op where libc's
-    ``signal`` cannot be reached."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
-        libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, handler_type], ctypes.c_void_p
-    except (OSError, AttributeError):
-        return
-
-    def held(signum):
-        if not _WATCH["closing"].is_set():
-            os.write(2, f"mrl train: a native abort (a collective whose peer died?); waiting up to {wait_s:.0f} s "
-                        "for the lost-process check\n".encode())
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and not _WATCH["closing"].is_set():
-                time.sleep(0.1)
-        libc.signal(signum, handler_type(0))   # SIG_DFL: the abort goes on
-        getattr(libc, "raise")(signum)
-
-    _WATCH["abort_handler"] = handler_type(held)   # kept alive as long as it is installed
-    libc.signal(signal.SIGABRT, _WATCH["abort_handler"])
-
-
-def _leave() -> None:
-    """At exit of a multi-process run, in this order: after an uncaught error, give a dead peer's heartbeat
-    timeout the time to reach the watchdog (it then prints its line and exits 75); otherwise wait for every
-    process to finish (`mwra.barrier`). Stop the watchdog. Then the processes other than 0 leave the coordination
-    service first and process 0, which serves it, last: the recoverable service has no shutdown barrier of its
-    own, and a client whose service is already gone aborts in its shutdown call (exit 134)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+def _leave(patience_s: float) -> None:
+    """At exit of a multi-process run (after a watchdog's own `Watchdog.stop`): wait (at most ``patience_s``) for
+    every process to finish (`mwra.barrier`), then the processes other than 0 leave the coordination service
+    first and process 0, which serves it, last: the recoverable service has no shutdown barrier of its own, and a
+    client whose service is already gone aborts in its shutdown call (exit 134)."""
+    client = coordination_client()
     if client is None:
         return
-    patience = _WATCH["heartbeat_s"] + 10
-    if not _WATCH["failed"]:
-        try:
-            barrier("mrl.exit", timeout_s=patience)
-        except Exception:  # noqa: BLE001 -- a peer that never arrives: the watchdog says so (below) if it is dead
-            _WATCH["failed"] = True
-    if _WATCH["failed"] and _WATCH["thread"] is not None:
-        _WATCH["thread"].join(timeout=patience)
-    _WATCH["closing"].set()
-    if _WATCH["thread"] is not None:
-        _WATCH["thread"].join(timeout=10)
+    try:
+        barrier("mrl.exit", timeout_s=patience_s)
+    except Exception:  # noqa: BLE001 -- a peer that never arrives: leave all the same
+        pass
     if jax.process_index() == 0:
-        _await_departures(client, jax.process_count(), patience)
+        _await_departures(client, jax.process_count(), patience_s)
     jax.distributed.shutdown()
 
 
@@ -362,25 +283,3 @@ def _await_departures(client, num_processes: int, timeout_s: float) -> None:
     waiter = threading.Thread(target=poll, name="mrl-leave", daemon=True)
     waiter.start()
     waiter.join(timeout=timeout_s)
-
-
-def _complete_round(out: Path | None) -> int | None:
-    """The newest complete checkpoint under ``out/checkpoints`` (orbax finalises a step by renaming its
-    temporary folder to the bare step number)."""
-    ckpts = None if out is None else out / "checkpoints"
-    steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts and ckpts.is_dir() else []
-    return max(steps) if steps else None
-
-
-def lost_process_line(dead: list[int] | None, out: Path | None) -> str:
-    """The one line a surviving process prints when the processes ``dead`` stopped answering (``None``: the
-    coordinator itself is gone)."""
-    who = (f"process {', '.join(map(str, dead))} of {jax.process_count()} stopped answering" if dead else
-           f"the coordinator (process 0) or another process of {jax.process_count()} is gone")
-    r = _complete_round(out)
-    cmd = " ".join(["mrl"] + [a for a in sys.argv[1:]] + ["--resume"]) if Path(sys.argv[0]).name == "mrl" and \
-        "--resume" not in sys.argv else "the same command with --resume"
-    kept = (f"the checkpoint of round {r} in {out / 'checkpoints'} is intact (later rounds are redone)"
-            if r is not None else "no checkpoint was complete yet (the run starts over)")
-    return (f"mrl train: {who} (no heartbeat within the timeout), so this process stops too (exit "
-            f"{LOST_EXIT_CODE}); {kept}; restart every process with {cmd}")

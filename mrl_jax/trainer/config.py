@@ -399,7 +399,7 @@ class RunConfig:
     eval_prompts: int = field(128, help="held-out prompts per evaluation")
     eval_samples: int = field(0, help="sampled completions per held-out prompt at each evaluation (0 = greedy only): "
                                       "adds avg@K, pass@k for k = 1, 2, 4, ..., K, maj@K and the population metrics "
-                                      "(mrl_jax.evaluation)")
+                                      "(mrl_jax.trainer.evaluation_metrics)")
     eval_temperature: float = field(1.0, help="sampling temperature of the eval_samples completions")
     rewards: list[dict[str, Any]] = field(
         default_factory=list,

@@ -1,7 +1,7 @@
 """Host-side text <-> padded id arrays for one policy (numpy; no device work).
 
 Prompts are formatted with the policy's ``PromptFormat`` (a ``prompt_template`` or the checkpoint's chat
-template, see :mod:`mrl_jax.chat`) and LEFT-padded (the sampler's layout); completions are RIGHT-padded, end
+template, see :mod:`mrl_jax.tokenization.chat`) and LEFT-padded (the sampler's layout); completions are RIGHT-padded, end
 with a stop token when they ended (kept in the mask, stripped from the decoded text), and are encoded as a
 *continuation* of the prompt (no SentencePiece dummy prefix), so a completion's ids spell exactly its text's
 bytes — the boundary THL relies on: only the completion text crosses policies, each consumer puts its own
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mrl_jax.chat import PromptFormat, as_prompt_format
+from mrl_jax.tokenization.chat import PromptFormat, as_prompt_format
 from mrl_jax.rollout import bucket_length
 from mrl_jax.tokenization import Tokenizer
 

@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy completions of every policy, verified, grouped by task and part; with
 ``samples=K`` also K sampled completions per prompt: avg@K, pass@k, maj@K per policy and the population
-metrics (:mod:`mrl_jax.evaluation`)."""
+metrics (:mod:`mrl_jax.trainer.evaluation_metrics`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from mrl_jax import evaluation as metrics_lib
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
+from mrl_jax.trainer.evaluation_metrics import population_metrics, sample_metrics
 from mrl_jax.trainer.placement import mesh_generate
 from mrl_jax.trainer.policy import Policy, PolicyState
 
@@ -84,7 +84,7 @@ def evaluate(policies: Sequence[Policy], states: Sequence[PolicyState], task: Ta
     tables = {}
     for pol, st in zip(policies, states):
         correct, answers = sample_policy(pol, st, task, prompts, samples, temperature, seed=seed)
-        out[pol.name].update(metrics_lib.sample_metrics(correct, answers))
+        out[pol.name].update(sample_metrics(correct, answers))
         tables[pol.name] = correct
-    out["population"] = metrics_lib.population_metrics(tables)
+    out["population"] = population_metrics(tables)
     return out

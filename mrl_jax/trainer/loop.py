@@ -21,11 +21,10 @@ import jax
 import numpy as np
 import optax
 
-from mrl_jax.compile_stats import CompileCounter
 from mrl_jax.configs import ConfigError, load_yaml, to_dict
-from mrl_jax.mwra.distributed import watch_run
 from mrl_jax.tasks import RewardFailure, RewardScorer, RewardSpec, Task, build_reward_specs, task_reward
 from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer, host_template
+from mrl_jax.trainer.compile_stats import CompileCounter
 from mrl_jax.trainer.config import RunConfig, load_run_config
 from mrl_jax.trainer.hooks import (CheckpointHook, Hook, RoundInfo, SkippedUpdatesStop, TrainingStopped, eval_hook,
                                    log_hook, reward_failure_hook)
@@ -345,7 +344,6 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, task: Ta
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_specs, progress: bool) -> dict:
-    watch_run(out)   # multi-process: a lost process gets one line naming it and the resume point
     ckpt = RunCheckpointer(out, keep=cfg.keep_checkpoints)
     try:
         latest = _resume_round(ckpt, out, cfg, resume)
@@ -425,11 +423,13 @@ def _check_topology(cfg: RunConfig, out: Path, progress: bool) -> RunConfig:
 
 def train_from_yaml(config_path, out_dir, *, resume=False, coordinator=None, num_processes=None,
                     process_id=None, topology: str | None = None) -> dict:
-    """``mrl train``: multi-host set-up (a no-op on one host), config load (``topology`` sets
-    ``mwra.topology``), ``train``."""
+    """``mrl train``: multi-host set-up (a no-op on one host) and its watchdog (a lost process gets one line
+    naming it and the resume point), config load (``topology`` sets ``mwra.topology``), ``train``."""
     from mrl_jax.mwra import initialize_distributed
+    from mrl_jax.trainer.watchdog import Watchdog
 
-    initialize_distributed(coordinator, num_processes, process_id)
+    info = initialize_distributed(coordinator, num_processes, process_id)
+    Watchdog(out_dir, info.heartbeat_timeout_s).start()   # stopped at exit, after every process has finished
     cfg = load_yaml(RunConfig, config_path)
     if topology is not None:   # the flag's errors name the flag: the config's would name mwra.topology
         from mrl_jax.trainer.tpu_plan import resolve_topology

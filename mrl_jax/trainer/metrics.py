@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from mrl_jax.progress import Progress, round_figures
+from mrl_jax.report.progress import Progress, round_figures
 from mrl_jax.trainer.trackers import make_trackers, tracker_scalars
 
 

@@ -16,7 +16,7 @@ import jax
 from flax import nnx, struct
 
 from mrl_jax import models
-from mrl_jax.chat import PromptFormat, stop_ids, tokenizer_folder
+from mrl_jax.tokenization.chat import PromptFormat, stop_ids, tokenizer_folder
 from mrl_jax.configs import ConfigError, config_warning
 from mrl_jax.learner import iterate, make_logp_fn, make_update_step
 from mrl_jax.mwra import lockstep

@@ -1,11 +1,12 @@
 """``mrl bench probes``: every probe on the same work -- effect, stability, cost and its place on the bandit plane.
 
-    mrl bench probes [--quick] --probes none,sgt,experiments.probes.hedge:hedge:lam=0.5 --out DIR
-    python benchmarks/bench_probes.py [--quick] --probes ... --out DIR
+    mrl bench probes [--quick] [--probes none,sgt,my_pkg.probes:hedge:lam=0.5] [--tasks facts,reasoning] [--jobs 2] --out DIR
 
-    python benchmarks/bench_probes.py ... --tasks facts,reasoning --jobs 2
+Default probes: the built-ins and two chains (``DEFAULT_PROBES``; ``--quick``: ``QUICK_PROBES``); a researcher's
+probe is named by import path, its package on ``PYTHONPATH`` (the worked example ``experiments.probes.hedge``
+from a checkout's root).
 
-Work (``probe_workloads.py``): two tasks, each under the same policies, data, seeds and RL budget for every probe
+Work (:mod:`mrl_jax.bench.probe_workloads`): two tasks, each under the same policies, data, seeds and RL budget for every probe
 -- built-ins, chains, and researchers' probes by import path: ``facts``, the demo's facts transfer, and
 ``reasoning``, algorithmic string reasoning on which GRPO alone learns. One run directory per (task, probe,
 seed) under ``DIR/<task>/cells/`` (``mrl train``'s layout: metrics.jsonl, summary.json, ...): a cell with its
@@ -13,7 +14,7 @@ summary.json is finished and skipped when the command runs again; an unfinished 
 rerun from its start; ``--jobs N`` trains N cells at once, one process each. The bandit lab places the same
 probes on its stability-support plane (``DIR/bandit/``, Monte Carlo for probes without a closed form).
 
-Writes ``DIR/PROBES.md``, ``DIR/probes.json`` and per task the figures (``probe_report.py``:
+Writes ``DIR/PROBES.md``, ``DIR/probes.json`` and per task the figures (:mod:`mrl_jax.bench.probe_report`:
 ``<task>_reward_at_1.png``, held-out reward@1 per round per policy and their average; ``<task>_skills.png``,
 the final skills). Every figure is a mean +- standard error over seeds, and every probe's difference from
 ``none`` is paired by seed (mean, s.e., t and a two-sided p-value). Timings are reported with the 1-minute load
@@ -29,21 +30,16 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-REPO = str(Path(__file__).resolve().parents[1])
-if REPO not in sys.path:   # the checkout's mrl_jax (as a script) and experiments.probes (the worked example)
-    sys.path.insert(0, REPO)
+from mrl_jax.bench import probe_report
+from mrl_jax.bench.probe_workloads import WORKLOADS
 
-from benchmarks import probe_report  # noqa: E402  (after the path insert)
-from benchmarks.probe_workloads import WORKLOADS  # noqa: E402
-
-DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "xgrpo+sgt", "sgt+replay", "experiments.probes.hedge:hedge:lam=0.5")
+DEFAULT_PROBES = ("none", "xgrpo", "prp", "sgt", "xgrpo+sgt", "sgt+replay")
 QUICK_PROBES = ("none", "xgrpo+sgt")
 PHASES = probe_report.PHASES
 LAB_NAMES = {"none": "none", "xgrpo": "xgrpo", "prp": "prp", "sgt": "sgt", "xgrpo+sgt": "xgrpo_sgt"}
@@ -278,11 +274,9 @@ def _cells(out: Path, workloads: Sequence[str], probes: Sequence[str], s: Settin
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        import benchmarks.bench_probes as me   # the worker imports the job by this module's name
-
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=me._share_compile_cache, initargs=(_compile_cache_dir(),)) as pool:
-            metas = list(pool.map(me._run_cell_job, todo))
+                                 initializer=_share_compile_cache, initargs=(_compile_cache_dir(),)) as pool:
+            metas = list(pool.map(_run_cell_job, todo))
     else:
         metas = [_run_cell_job(t) for t in todo]
     out_: dict = {w: {p: [] for p in probes} for w in workloads}
@@ -342,38 +336,15 @@ def compare(out_dir, probes: Optional[Sequence[str]] = None, quick: bool = False
     return result
 
 
-def run(quick: bool = False, probes: Optional[Sequence[str]] = None, out: Optional[str] = None,
-        workloads: Sequence[str] = tuple(WORKLOADS), jobs: int = 1) -> dict:
-    """The ``mrl bench`` harness entry: the comparison into ``out`` (default: a new temporary directory);
-    returns the headline figures per task (average reward@1, its difference from none, the bandit support)."""
-    out = out or tempfile.mkdtemp(prefix="mrl_bench_probes_")
-    res = compare(out, probes, quick=quick, verbose=False, workloads=workloads, jobs=jobs)
+def run_probes(out_dir, *, quick: bool = False, probes: Optional[Sequence[str]] = None,
+               tasks: Optional[Sequence[str]] = None, jobs: int = 1) -> dict:
+    """``mrl bench probes``: the comparison into ``out_dir`` (``tasks``: default every task); returns its headline
+    (per task and probe: average held-out reward@1, its gain over the warm start, its paired difference from
+    ``none``, the bandit support)."""
+    res = compare(out_dir, probes, quick=quick, verbose=False, workloads=tasks or tuple(WORKLOADS), jobs=jobs)
     head = {w: {p: {"average_reward_at_1": e["figures"]["average/reward_at_1_final"],
                     "average_gain": e["figures"]["average/reward_at_1_gain"],
                     "vs_none": (e.get("vs_none") or {}).get("average/reward_at_1_final"),
                     "bandit_support": res["bandit"][p]["support"]} for p, e in r["probes"].items()}
             for w, r in res["workloads"].items()}
-    return {"out": str(out), "wall_s": res["wall_s"], "tasks": head}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"probes {','.join(QUICK_PROBES)}, one seed, 3 rounds")
-    ap.add_argument("--probes", default=None, help="comma-separated probe specs (built-ins, chains, pkg.mod:factory"
-                                                   f"[:k=v]); default {','.join(DEFAULT_PROBES)}")
-    ap.add_argument("--tasks", default=",".join(WORKLOADS), help=f"comma-separated tasks (default {','.join(WORKLOADS)})")
-    ap.add_argument("--jobs", type=int, default=1, help="cells trained at once, one process each (default 1)")
-    ap.add_argument("--out", required=True, help="output directory (cells are reused when it exists)")
-    args = ap.parse_args(argv)
-    from mrl_jax import compile_cache
-
-    compile_cache.enable()   # as the `mrl` verbs: MRL_COMPILATION_CACHE moves it or turns it off
-    compare(args.out, args.probes.split(",") if args.probes else None, quick=args.quick,
-            workloads=args.tasks.split(","), jobs=args.jobs)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"out": str(out_dir), "wall_s": res["wall_s"], "tasks": head}

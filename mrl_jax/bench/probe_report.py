@@ -2,7 +2,7 @@
 
 ``result`` is ``probes.json``'s content: ``{"command", "wall_s", "cpus", "load_1min", "settings",
 "workloads": {name: {"title", "settings", "policies", "skills", "curve_label", "probes", "cells"}}, "bandit"}``
-where ``probes`` is ``bench_probes.aggregate``'s ``{probe: {"figures", "vs_none", "curves"}}``.
+where ``probes`` is ``mrl_jax.bench.probes.aggregate``'s ``{probe: {"figures", "vs_none", "curves"}}``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
 Each ``benchmarks/bench_<name>.py`` exposes ``run(quick: bool) -> dict``; the harness runs every one (or
 ``only``), keeps going when one fails (its error is recorded), and returns ``{"benchmarks": {name: figures}}``
-plus the machine and library versions. The scripts live in the source checkout, not in the wheel.
-
-``mrl bench probes [--quick] --probes SPEC,... --out DIR`` is the probe comparison
-(``benchmarks/bench_probes.py``, :func:`run_probes`): every probe on the same work, with its run directories,
-PROBES.md, probes.json and figures in DIR.
+plus the machine and library versions. The scripts live in the source checkout, not in the wheel (``mrl bench
+probes``, :mod:`mrl_jax.bench.probes`, is in the wheel).
 
 ``--quick`` is a quick look (a few minutes on 2 cores): the :data:`QUICK_LOOK` benchmarks with their quick
 settings, one figure each for the sampler, the update, THL and the TRL comparison; the multi-policy and
@@ -23,10 +20,14 @@ import time
 import traceback
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from mrl_jax.bench import load as bench_load
+from mrl_jax.configs import ConfigError
+from mrl_jax.report.progress import Progress
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 QUICK_LOOK = ("rollout", "thl", "trl", "update")
-# not in every `mrl bench`: a 25-minute probe comparison on 2 cores (`mrl bench probes`), hours of TPU compiles (--only tpu)
-OWN_COMMAND = ("probes", "tpu")
+# not in every `mrl bench`: hours of TPU compiles (--only tpu)
+OWN_COMMAND = ("tpu",)
 
 
 def available() -> list[str]:
@@ -62,11 +63,9 @@ def script_main(run, description: str, argv: list[str] | None = None) -> int:
 
     ``[--quick] [--out FILE] [--wait-idle SECONDS] [--idle-load LOAD]``: with ``--wait-idle`` it first waits
     (at most SECONDS) for the 1-min load average to fall below LOAD (default 0.25 per core). The JSON gets
-    ``"load"`` (:func:`mrl_jax.bench_env.summarize` of every timed section) and a top-level ``"contended"``.
+    ``"load"`` (:func:`mrl_jax.bench.load.summarize` of every timed section) and a top-level ``"contended"``.
     """
     import argparse
-
-    from mrl_jax import bench_env
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="small shapes / fewer timed steps")
@@ -75,7 +74,7 @@ def script_main(run, description: str, argv: list[str] | None = None) -> int:
                     help="wait at most SECONDS for the machine to be quiet before timing (0 = do not wait)")
     ap.add_argument("--idle-load", type=float, default=None, metavar="LOAD",
                     help="quiet = 1-min load average below LOAD; also the contended threshold "
-                    f"(default 0.25 per core = {bench_env.default_threshold():g} here)")
+                    f"(default 0.25 per core = {bench_load.default_threshold():g} here)")
     args = ap.parse_args(argv)
     print_figures(run_recorded(lambda: run(quick=args.quick), args.wait_idle, args.idle_load), args.out)
     return 0
@@ -93,18 +92,16 @@ def print_figures(figures: dict, out: str | None = None) -> None:
 
 def run_recorded(fn, wait_idle_s: float = 0.0, threshold: float | None = None) -> dict:
     """Run ``fn() -> dict`` after an optional bounded idle wait; attach the load record of its sections."""
-    from mrl_jax import bench_env
-
-    wait = bench_env.wait_idle(wait_idle_s, threshold) if wait_idle_s > 0 else None
-    bench_env.settle_sections(wait_idle_s)   # and before each timed section (its own set-up raised the load)
-    bench_env.collect()  # drop anything logged before this benchmark
+    wait = bench_load.wait_idle(wait_idle_s, threshold) if wait_idle_s > 0 else None
+    bench_load.settle_sections(wait_idle_s)   # and before each timed section (its own set-up raised the load)
+    bench_load.collect()  # drop anything logged before this benchmark
     try:
-        with bench_env.section("whole_run", threshold) as whole:
+        with bench_load.section("whole_run", threshold) as whole:
             figures = fn()
     finally:
-        bench_env.settle_sections(0)
-    sections = [r for r in bench_env.collect() if r is not whole]
-    load = bench_env.summarize(sections or [whole], wait)
+        bench_load.settle_sections(0)
+    sections = [r for r in bench_load.collect() if r is not whole]
+    load = bench_load.summarize(sections or [whole], wait)
     load["whole_run"] = whole
     figures["load"] = load
     figures["contended"] = load["contended"]
@@ -125,10 +122,9 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     names = available()
     unknown = sorted(set(only or []) - set(names))
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; available: {names}")
+        hint = "; the probe comparison is its own verb: `mrl bench probes`" if "probes" in unknown else ""
+        raise ConfigError(f"--only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(names)}{hint}")
     results: dict[str, dict] = {}
-    from mrl_jax.progress import Progress
-
     chosen = only or ([n for n in names if n in QUICK_LOOK] if quick else [n for n in names if n not in OWN_COMMAND])
     for name in sorted(set(names) - set(chosen)) if not only else ():
         results[name] = ({"skipped": f"its own run: `mrl bench --only {name}`"} if name in OWN_COMMAND
@@ -149,14 +145,3 @@ def run_benchmarks(out_dir: str | Path, *, quick: bool = False, only: list[str] 
     contended = any(r.get("contended") for r in results.values())
     return {"quick": quick, "contended": contended, "environment": environment(), "benchmarks": results}
 
-
-def run_probes(out_dir: str | Path, *, quick: bool = False, probes: list[str] | None = None,
-               tasks: list[str] | None = None, jobs: int = 1) -> dict:
-    """``mrl bench probes``: ``benchmarks/bench_probes.py``'s comparison into ``out_dir`` (``tasks``: default
-    every task); returns its headline (per task and probe: average held-out reward@1, its gain over the warm
-    start, its paired difference from ``none``, the bandit support)."""
-    if not (BENCH_DIR / "bench_probes.py").is_file():
-        raise FileNotFoundError(f"{BENCH_DIR / 'bench_probes.py'} not found; run `mrl bench probes` from a source "
-                                "checkout installed with `pip install -e .`.")
-    bench = _load("probes")
-    return bench.run(quick=quick, probes=probes, out=str(out_dir), workloads=tasks or tuple(bench.WORKLOADS), jobs=jobs)

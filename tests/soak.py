@@ -12,11 +12,11 @@ Reported: rounds completed, kills and restarts, reward faults survived (by kind)
 whether the final checkpoint and the metrics equal those of an uninterrupted run with the same faults
 (bit-identical arrays, records equal except wall times).
 
-    python benchmarks/soak.py [--quick] [--rounds N] [--kills K] [--out DIR]   # prints the figures as JSON
-    from benchmarks import soak; soak.run(quick=True) -> dict
+    python tests/soak.py [--quick] [--rounds N] [--kills K] [--out DIR]   # prints the figures as JSON
+    import soak; soak.run(quick=True) -> dict                               # tests/ on the path, as for the tests
 
-Not part of CI (minutes). The machinery (fault rewards, the child process with its kill hooks, the run
-comparisons) is the test suite's (``tests/support.py``).
+Not part of CI (minutes); not collected by pytest (no ``test_`` prefix). It lives beside its machinery (fault
+rewards, the child process with its kill hooks, the run comparisons: ``tests/support.py``).
 """
 
 from __future__ import annotations
@@ -29,13 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "tests") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests"))
-
-from support import (RUN_RECORD_FILES, checkpoint_leaves, checkpoint_rounds,  # noqa: E402
-                     compare_runs, contiguity_problems, enable_compile_cache, fault_totals, last_logged_round,
-                     newest_checkpoint_dir, record_differences, run_child, tiny_config, training_records)
+from support import (REPO, RUN_RECORD_FILES, checkpoint_leaves, checkpoint_rounds, compare_runs, contiguity_problems,
+                     enable_compile_cache, fault_totals, last_logged_round, newest_checkpoint_dir, record_differences,
+                     run_child, tiny_config, training_records)
 
 # -------------------------------------------------------------------------------------------- soak
 SOAK_FAULTS = {"raise": 0.04, "nan": 0.03, "string": 0.02, "hang": 0.004}
