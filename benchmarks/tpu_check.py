@@ -145,8 +145,9 @@ def compiled_with_estimate(program: Program):
 
 
 def _sampler(run, i: int, new_tokens: int) -> Program:
-    """Policy i's sampler round program at ``new_tokens`` (as the memory plan compiles it, S as configured or one
-    slot per row), on abstract prompts; its second output's first count is the decode steps."""
+    """Policy i's sampler round program at ``new_tokens`` as the memory plan compiles it, on abstract prompts, at
+    ``sampling.slots`` (unset: a slot per row; where that does not fit, set it to the S ``mrl plan`` chose); its
+    second output's first count is the decode steps."""
     from jax.sharding import NamedSharding
 
     from mrl_jax import mwra, rollout_slots
@@ -157,7 +158,7 @@ def _sampler(run, i: int, new_tokens: int) -> Program:
     d, Tp = int(mesh.devices.size), prompt_width(run, pol)
     P, G = padded_prompts(run, d), pol.num_generations
     cfg = dataclasses.replace(pol.sampling, max_new_tokens=new_tokens)
-    S = rollout_slots.slot_count(P * G, pol.spec.sampling.slots, d)
+    S = rollout_slots.slot_count(P * G, pol.slots, d)
     rungs = rollout_slots.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
                                 ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G),
                                 shape=pol.spec.sampling.ladder_shape)

@@ -161,3 +161,18 @@ def test_model_update_and_prefill_through_cudnn_equal_ours():
     np.testing.assert_allclose(outs["cudnn"][0], outs["auto"][0], atol=2e-5, rtol=2e-5)
     for a, b in zip(outs["cudnn"][1], outs["auto"][1]):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_on_a_cuda_gpu_cudnn_where_its_constraints_hold(monkeypatch):
+    """The GPU branch of the choice, with the device faked: cuDNN for bf16 / fp16 and head dims that are multiples
+    of 8 within its limit (128 before Hopper), ours for the rest -- float32 included, which then runs exactly ours."""
+    monkeypatch.setattr(cudnn, "_on_cuda", lambda: True)
+    monkeypatch.setattr(cudnn, "_cuda_head_dim_max", lambda: 128)
+    choose = cudnn.implementation
+    assert [choose(jnp.bfloat16, 64, None), choose(jnp.float16, 128, None)] == ["cudnn", "cudnn"]
+    assert [choose(jnp.float32, 64, None), choose(jnp.bfloat16, 12, None), choose(jnp.bfloat16, 256, None),
+            choose(jnp.bfloat16, 64, 30.0)] == [None] * 4
+    q, k, v = _qkv(np.random.default_rng(4), 6, 23, 6, 2, 8)
+    mask = CausalMask(kv_mask=_rows(23), offset=0, num_queries=23)
+    got, ours = (attention(q, k, v, mask, scale=0.3, impl=i)[0] for i in ("cudnn", "auto"))
+    np.testing.assert_array_equal(got, ours)

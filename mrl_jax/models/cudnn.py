@@ -40,7 +40,8 @@ def _cuda_head_dim_max() -> int:
 def _on_cuda() -> bool:
     if jax.default_backend() != "gpu":
         return False
-    return "cuda" in str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    client = getattr(jax.devices()[0], "client", None)
+    return "cuda" in str(getattr(client, "platform_version", "")).lower()
 
 
 def implementation(dtype, head_dim: int, softcap: Optional[float]) -> Optional[str]:
