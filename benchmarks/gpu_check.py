@@ -32,6 +32,11 @@ Sections (in order; see ``SECTIONS``):
                   peak device memory, MFU.
   slots_longtail  ``rollout_slots.generate_slots`` (S = every row, with and without the ladder) against
                   ``generate`` on long-tailed lengths: seconds, compiles, row-steps per kept token.
+  cudnn_attention the update's attention (prompt-once-per-group layout, forward + backward) and the prefill's
+                  (causal, left-padded, forward) through ``attention="cudnn"`` (cuDNN flash via
+                  ``jax.nn.dot_product_attention``) beside ours (blockwise; dense at the short shapes): median
+                  seconds per impl, speedup, and cudnn's largest difference from ours. Without a GPU it runs
+                  only with ``--tiny`` (jax's XLA implementation in cuDNN's place: plumbing, no timing claim).
   update_step_mfu HOOK for the lead: fill in :func:`update_step_mfu` (GRPO update-step MFU); it gets
                   the shared context (model, graphdef, params, flop/byte helpers, peak numbers).
 
@@ -408,6 +413,88 @@ def _update_mfu(ctx: Context, rows: int, tp: int, tc: int, graphdef, memory: boo
                 mfu_vs_spec_peak=achieved / H200_PEAK_BF16_FLOPS)
 
 
+def _attention_inputs(rng, b: int, t: int, h: int, kv: int, d: int):
+    import jax.numpy as jnp
+    return [jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16) for n in (h, kv, kv)]
+
+
+def _time_attention(name: str, fn, args, impls, ref: str) -> dict:
+    """Each impl's jitted ``fn(impl, *args)`` (returning a pytree of arrays): timing, and the largest absolute
+    difference of its leaves from ``ref``'s (float32), also relative to the largest |ref| of that leaf. Prints
+    one line."""
+    import jax
+
+    res, outs = {}, {}
+    for impl in impls:
+        f = jax.jit(lambda *a, _impl=impl: fn(_impl, *a))
+        res[impl] = timeit(lambda: _block(f(*args)), repeats=5, warmup=2)
+        outs[impl] = [np.asarray(x, np.float32) for x in jax.tree.leaves(f(*args))]
+    for impl in impls:
+        pairs = list(zip(outs[impl], outs[ref]))
+        res[impl]["max_abs_diff_vs_" + ref] = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+        res[impl]["max_rel_diff_vs_" + ref] = max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+                                                  for a, b in pairs)
+        res[impl]["speedup_vs_" + ref] = res[ref]["median_s"] / res[impl]["median_s"]
+    print(f"[gpu_check] cudnn_attention {name}: " + ", ".join(
+        f"{i} {res[i]['median_s'] * 1e3:.3f} ms (x{res[i]['speedup_vs_' + ref]:.2f}, rel diff "
+        f"{res[i]['max_rel_diff_vs_' + ref]:.1e})" for i in impls), flush=True)
+    return res
+
+
+def section_cudnn_attention(ctx: Context) -> dict:
+    """cuDNN's flash attention beside ours at Qwen2.5-0.5B's heads (14 q / 2 kv, head dim 64, bf16): the update's
+    prompt-once-per-group layout (P prompts x 8 completions, prompts left-padded, completions right-padded at
+    long-tailed lengths), value and q/k/v gradients of sum(out * w) over the real tokens; the prefill's causal
+    attention of left-padded prompts, forward. "implementation" says what ran in cuDNN's place ("xla" on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mrl_jax.models import cudnn
+    from mrl_jax.models.attention import CausalMask, PrefixMask, attention
+
+    how = cudnn.implementation(jnp.bfloat16, 64, None)
+    res = {"implementation": how, "backend": jax.default_backend()}
+    if how != "cudnn" and not ctx.tiny:
+        return dict(res, skipped="no CUDA GPU: cuDNN's path runs only there (use --tiny for the plumbing)")
+    h, kv, d, scale = 14, 2, 64, 64 ** -0.5
+    rng = np.random.default_rng(0)
+    update_cases = [(2, 2, 8, 24, ("cudnn", "blockwise", "dense"))] if ctx.tiny else [
+        (2, 8, 64, 960, ("cudnn", "blockwise", "dense")), (2, 8, 256, 4096, ("cudnn", "blockwise"))]
+    for p, m, tp, tc, impls in update_cases:
+        name = f"update_{p * m}x({tp}+{tc})"
+        if ctx.left() < 20:
+            res[name] = {"skipped": "time budget"}
+            continue
+        pm = np.arange(tp)[None, :] >= rng.integers(0, tp // 2, size=(p, 1))
+        lengths = np.clip(rng.geometric(4 / tc, size=p * m), 1, tc)
+        lengths[0] = tc
+        cm = np.arange(tc)[None, :] < lengths[:, None]
+        mask = PrefixMask.build(jnp.asarray(pm), jnp.asarray(cm))
+        valid = jnp.concatenate([jnp.asarray(pm).reshape(-1), jnp.asarray(cm).reshape(-1)])[None, :, None, None]
+        q, k, v = _attention_inputs(rng, 1, p * tp + p * m * tc, h, kv, d)
+        w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+        def grads(impl, q, k, v):
+            def loss(q, k, v):
+                out = attention(q, k, v, mask, scale=scale, impl=impl)[0]
+                return jnp.sum(jnp.where(valid, out.astype(jnp.float32) * w, 0.0))
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        res[name] = dict(_time_attention(name, grads, (q, k, v), impls, "blockwise"),
+                         completion_mean=float(lengths.mean()))
+    b, t = (4, 16) if ctx.tiny else (256, 128)
+    if ctx.left() >= 10:
+        pad = rng.integers(0, t // 2, size=(b, 1))
+        valid = jnp.asarray(np.arange(t)[None, :] >= pad)
+        mask = CausalMask(kv_mask=valid, offset=0, num_queries=t)
+        q, k, v = _attention_inputs(rng, b, t, h, kv, d)
+
+        def prefill(impl, q, k, v):
+            return jnp.where(valid[:, :, None, None], attention(q, k, v, mask, scale=scale, impl=impl)[0], 0)
+        name = f"prefill_{b}x{t}"
+        res[name] = _time_attention(name, prefill, (q, k, v), ("cudnn", "dense"), "dense")
+    return res
+
+
 def section_update_step_mfu(ctx: Context) -> dict:
     return update_step_mfu(ctx)
 
@@ -419,6 +506,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict], float]] = [
     ("model", section_model, 20),
     ("generate_b64", section_generate_b64, 40),
     ("generate_b256", section_generate_b256, 40),
+    ("cudnn_attention", section_cudnn_attention, 30),
     ("update_step_mfu", section_update_step_mfu, 20),
     ("update_long_seq", update_long_seq, 60),
     ("sampler_variants", section_sampler_variants, 40),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import flash, splash
+from . import cudnn, flash, splash
 from .flash import blockwise_attention
 from .slot_cache import SlotCache, attend_slots
 
@@ -226,15 +226,17 @@ def make_mask(kv_mask: jax.Array, cache_index, num_queries: int, window: Optiona
     return kv_mask.astype(bool)[:, None, :] & allowed[None]
 
 
-IMPLS = ("auto", "dense", "blockwise", "splash")
+IMPLS = ("auto", "dense", "blockwise", "splash", "cudnn")
+_AUTO = {"tpu": "splash", "gpu": "cudnn"}
 
 
 def resolve_impl(impl: str, platform: str) -> str:
     """The ``impl`` a model runs on ``platform`` ("cpu" | "gpu" | "tpu" ...): "auto" is "splash" on TPU (the
-    Pallas kernel, :mod:`mrl_jax.models.splash`), ours elsewhere; any other choice is kept."""
+    Pallas kernel, :mod:`mrl_jax.models.splash`), "cudnn" on GPU (:mod:`mrl_jax.models.cudnn`, which keeps ours
+    where cuDNN's constraints fail), ours elsewhere; any other choice is kept."""
     if impl not in IMPLS:
         raise ValueError(f"attention must be one of {'|'.join(IMPLS)}, got {impl!r}")
-    return "splash" if impl == "auto" and platform == "tpu" else impl
+    return _AUTO.get(platform, impl) if impl == "auto" else impl
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
@@ -254,7 +256,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
     over key blocks, recomputing backward, memory linear in length; CausalMask / PrefixMask only), "auto"
     (blockwise for a structural mask with several queries over more than ``flash.BLOCK`` keys, else dense) or
     "splash" (:mod:`mrl_jax.models.splash`, JAX's Pallas TPU kernel, for a PrefixMask and for a CausalMask of
-    several queries at offset 0 -- no cache, or a prefill filling its cache -- and "auto" for the rest).
+    several queries at offset 0 -- no cache, or a prefill filling its cache -- and "auto" for the rest) or
+    "cudnn" (:mod:`mrl_jax.models.cudnn`, ``jax.nn.dot_product_attention``: cuDNN's flash kernel on a CUDA GPU,
+    its plain-XLA implementation on the CPU; the same masks as "splash", where cuDNN's dtype / head-dim
+    constraints hold and without soft-capping, and "auto" for the rest).
     Scores, mask and softmax in float32; returns ([B, T, H, D] in q.dtype, updated cache or None).
     """
     if impl not in IMPLS:
@@ -278,6 +283,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask, *, scale: float,
         if isinstance(mask, CausalMask) and 1 < q.shape[1] == k.shape[1]:   # hence offset 0 (offset + T <= S)
             return splash.causal_attention(q, k, v, mask.kv_mask, scale=scale, window=mask.window,
                                            softcap=softcap), cache
+        impl = "auto"
+    if impl == "cudnn":
+        how = cudnn.implementation(q.dtype, q.shape[3], softcap)
+        if how is not None and isinstance(mask, PrefixMask):
+            return cudnn.prefix_attention(q, k, v, mask.prompt_mask, mask.completion_mask, scale=scale,
+                                          window=mask.window, implementation=how), cache
+        if how is not None and isinstance(mask, CausalMask) and 1 < q.shape[1] == k.shape[1]:
+            return cudnn.causal_attention(q, k, v, mask.kv_mask, scale=scale, window=mask.window,
+                                          implementation=how), cache
         impl = "auto"
     if isinstance(mask, PrefixMask):
         Tc, S = mask.completion_mask.shape[1], mask.prompt_mask.shape[1] + mask.completion_mask.shape[1]

@@ -87,8 +87,8 @@ class ModelConfig:
     param_dtype: storage dtype of the parameters; dtype: compute dtype (activations, matmuls, KV cache).
       Softmax, norms' statistics and logits are always float32.
     remat: per-decoder-layer rematerialisation of the differentiated forward (``layers.REMAT_POLICIES``);
-    attention: "auto" | "dense" | "blockwise" | "splash" (``attention.attention``'s ``impl``). Neither is in
-      config.json.
+    attention: "auto" | "dense" | "blockwise" | "splash" | "cudnn" (``attention.attention``'s ``impl``). Neither
+      is in config.json.
     """
 
     family: str
