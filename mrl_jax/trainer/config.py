@@ -39,10 +39,11 @@ class ModelSpec:
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = field(
         "full", help="per-layer rematerialisation in the update: full = keep only each layer's input (activation "
         "memory linear in length and depth); none = keep everything (fastest, most memory)")
-    attention: Literal["auto", "dense", "blockwise", "splash"] = field(
-        "auto", help="the update's and the prefill's attention: auto = JAX's Pallas splash kernel on TPU, ours "
-        "elsewhere (dense, or blockwise past 512 keys); splash on another backend runs the kernel interpreted "
-        "(slow: for checks)")
+    attention: Literal["auto", "dense", "blockwise", "splash", "cudnn"] = field(
+        "auto", help="the update's and the prefill's attention: auto = JAX's Pallas splash kernel on TPU, cuDNN "
+        "flash (jax.nn.dot_product_attention) on a CUDA GPU where its dtype / head-dim limits hold, ours elsewhere "
+        "(dense, or blockwise past 512 keys); splash on another backend runs the kernel interpreted (slow: for "
+        "checks); cudnn off a GPU runs jax's XLA implementation")
 
     def __post_init__(self):
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
