@@ -40,8 +40,9 @@ def pytest_sessionfinish(session, exitstatus):
 # own order (the files with the most tests first) left these, with few tests each, for the end, where one worker
 # ran the last of them alone. Here they go first (longest first), then the others as xdist orders them.
 LONGEST_FILES = ("test_bench_probes.py", "test_placement.py", "test_fresh_clone.py", "test_trainer.py",
-                 "test_reliability.py", "test_memory_plan.py", "test_mwra.py", "test_failures.py", "test_lora.py",
-                 "test_families_export.py", "test_demo.py", "test_lost_process.py", "test_tpu_compile.py")
+                 "test_rollout_slots.py", "test_reliability.py", "test_memory_plan.py", "test_mwra.py",
+                 "test_failures.py", "test_lora.py", "test_families_export.py", "test_demo.py", "test_lost_process.py",
+                 "test_tpu_compile.py")
 
 
 def pytest_configure(config):
