@@ -35,8 +35,8 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["MRL_TEST_XLA_CACHE"], ignore_errors=True)
 
 
-# The files that take longest on the 2-core CI machine (`--durations`: end-to-end runs, child processes), longest
-# first. `--dist loadfile` hands a worker the next file of the collected order when it has two tests left; xdist's
+# The files that take longest on the 2-core CI machine (end-to-end runs, child processes, many sampler programs),
+# roughly longest first. `--dist loadfile` hands a worker the next file of the collected order when it has two tests left; xdist's
 # own order (the files with the most tests first) left these, with few tests each, for the end, where one worker
 # ran the last of them alone. Here they go first (longest first), then the others as xdist orders them.
 LONGEST_FILES = ("test_bench_probes.py", "test_placement.py", "test_fresh_clone.py", "test_trainer.py",
