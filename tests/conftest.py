@@ -1,4 +1,5 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the order the files run in."""
+import collections
 import os
 import shutil
 import sys
@@ -32,6 +33,30 @@ def pytest_sessionfinish(session, exitstatus):
     """The run's own compilation cache removed by the process that made it."""
     if os.environ.get("MRL_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["MRL_TEST_XLA_CACHE"], ignore_errors=True)
+
+
+# The files that take longest on the 2-core CI machine (end-to-end runs, child processes, many sampler programs),
+# roughly longest first. `--dist loadfile` hands a worker the next file of the collected order when it has two tests left; xdist's
+# own order (the files with the most tests first) left these, with few tests each, for the end, where one worker
+# ran the last of them alone. Here they go first (longest first), then the others as xdist orders them.
+LONGEST_FILES = ("test_bench_probes.py", "test_placement.py", "test_fresh_clone.py", "test_trainer.py",
+                 "test_rollout_slots.py", "test_reliability.py", "test_memory_plan.py", "test_mwra.py",
+                 "test_failures.py", "test_lora.py", "test_families_export.py", "test_demo.py", "test_lost_process.py",
+                 "test_tpu_compile.py")
+
+
+def pytest_configure(config):
+    """xdist keeps the order `pytest_collection_modifyitems` gives (its own reordering by test count off)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of ``LONGEST_FILES`` first, in that order, then the others with the most tests first (xdist's
+    order); each file's tests keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    count = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path], str(item.path)))
 
 
 def _shared_tokenizers() -> Path:
