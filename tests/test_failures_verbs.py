@@ -123,7 +123,7 @@ class _Report:
 def test_plan_into_a_run_writes_beside_it_and_changes_none_of_its_files(finished, run_copy, monkeypatch, capsys):
     from mrl_jax.trainer import tpu_plan
 
-    monkeypatch.setattr(tpu_plan, "plan_for_topology", lambda cfg, name: _Report())
+    monkeypatch.setattr(tpu_plan, "plan_for_topology", lambda cfg, name, **_: _Report())
     before = _hashes(run_copy)
     assert main(["plan", "--config", str(finished[1]), "--topology", "v5e-8", "--out", str(run_copy)]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {run_copy / 'plan' / 'summary.json'}"
