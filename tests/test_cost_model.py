@@ -1,7 +1,8 @@
 """The cost model of a compiled TPU program (`mrl_jax.mwra.cost_model`) on programs whose cost is known, compiled
 by XLA:TPU from this CPU (libtpu, deviceless): a large matmul near the chip's peak, an HBM-bound matvec near its
-bandwidth, a scan of k layers k times one iteration, a Pallas kernel at its roofline, an all-gather by its bytes,
-and the physical bound as a property. Compiled in one child process (libtpu stays out of the pytest worker)."""
+bandwidth, a scan of k layers k times one iteration reading each layer of its stack once, a Pallas kernel at its
+roofline, an all-gather by its bytes, and the physical bound as a property. Compiled in one child process (libtpu
+stays out of the pytest worker)."""
 import importlib.util
 import json
 import os
@@ -44,6 +45,11 @@ _CHILD = textwrap.dedent('''
         return jnp.tanh(x @ w), None
     out["scan"] = {k: est(lambda x, ws: jax.lax.scan(layer, x, ws)[0], spec((4096, 2048)),
                           spec((k, 2048, 2048)))[0].seconds for k in (2, 4, 8, 16)}
+    def matvec_layer(x, w):   # HBM-bound: each iteration reads its layer of the stack and writes its output row
+        y = jnp.tanh(x @ w)
+        return y, y
+    out["stacked"] = {k: est(lambda x, ws: jax.lax.scan(matvec_layer, x, ws), spec((8, 4096)),
+                             spec((k, 4096, 4096)))[0].hbm_bytes for k in (4, 16)}
     def open_loop(x, w):   # a data-dependent loop of the same layer: priced once, its iteration listed
         return jax.lax.while_loop(lambda c: jnp.sum(c[1]) < 1e30, lambda c: (layer(c[0], w)[0], c[1] + 1.0),
                                   (x, jnp.zeros((), jnp.float32)))[0]
@@ -142,6 +148,15 @@ def test_a_scan_of_k_layers_is_k_iterations(priced):
     # the data-dependent loop is listed with its iteration and counted once
     assert len(priced["open_loop"]["loops"]) == 1
     assert priced["open_loop"]["seconds"] >= per_iteration
+
+
+@needs_libtpu
+def test_a_scan_reads_each_layer_of_its_stack_once(priced):
+    """Each iteration slices its layer out of the stacked weights and writes its row of the stacked outputs in
+    place: k layers read, not k times the whole stack."""
+    layer = 4096 * 4096 * 2
+    for k, nbytes in priced["stacked"].items():
+        assert int(k) * layer <= nbytes <= 1.1 * int(k) * layer
 
 
 @needs_libtpu

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 from typing import NamedTuple, Optional
 
@@ -152,9 +153,10 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+_INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency"}
+_SLICING = ("dynamic-slice", "slice", "gather")
 _COLLECTIVES = {"all-gather": "gather", "all-gather-start": "gather", "all-reduce": "reduce",
                 "all-reduce-start": "reduce", "reduce-scatter": "scatter", "all-to-all": "gather",
                 "collective-permute": "permute", "collective-permute-start": "permute",
@@ -168,6 +170,7 @@ class _Instr(NamedTuple):
     operands: tuple  # operand instruction names
     args: str        # the text between the opcode's parentheses (a constant's literal)
     attrs: str
+    root: bool = False  # the computation's ROOT
 
 
 def _arrays(type_text: str) -> list:
@@ -211,7 +214,7 @@ def _parse_instr(line: str) -> Optional[_Instr]:
     m = _INSTR.match(line)
     if m is None:
         return None
-    name, rest = m.groups()
+    root, name, rest = m.groups()
     end = _split_balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
     type_text, rest = rest[:end], rest[end:].lstrip()
     op_end = rest.find("(")
@@ -220,7 +223,7 @@ def _parse_instr(line: str) -> Optional[_Instr]:
     op = rest[:op_end]
     close = _split_balanced(rest, op_end)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[op_end:close]))
-    return _Instr(name, type_text, op, operands, rest[op_end + 1:close - 1], rest[close:])
+    return _Instr(name, type_text, op, operands, rest[op_end + 1:close - 1], rest[close:], root is not None)
 
 
 def _computations(text: str) -> tuple[dict, str]:
@@ -328,7 +331,64 @@ class _Program:
         return 2.0 * out * _prod(rhs) / rhs[labels.group(1).index("o")]
 
     def _hbm_bytes(self, comp: str, ins: _Instr) -> float:
-        return _bytes(ins.type, True) + sum(_bytes(self.types[comp].get(o, ""), True) for o in ins.operands)
+        """HBM bytes an op moves: its result written and its operands read, except that an operand only sliced
+        (``dynamic-slice``, ``slice``, ``gather``: one layer of stacked weights in a scan, one block of K in a
+        blockwise loop) is read for its slices alone, and a buffer updated in place (``dynamic-update-slice``)
+        is neither read nor written beyond its update."""
+        sub = _attr(ins.attrs, "calls") if ins.op == "fusion" else None
+        reads, written = self._fused_access(sub) if sub else self._access(comp, ins)
+        total = 0.0
+        for i, o in enumerate(ins.operands):
+            arrays = _arrays(self.types[comp].get(o, ""))
+            if arrays and arrays[0][2]:
+                total += min(reads.get(i, math.inf), _bytes(self.types[comp].get(o, "")))
+        for i, (dt, shape, hbm) in enumerate(_arrays(ins.type)):
+            if hbm:
+                total += min(written.get(i, math.inf), _DTYPE_BYTES[dt] * _prod(shape))
+        return total
+
+    def _access(self, comp: str, ins: _Instr) -> tuple[dict, dict]:
+        """({operand index: bytes read}, {result index: bytes written}) where an op reads or writes less than
+        whole arrays; the others read and write all of theirs."""
+        if ins.op in _SLICING:
+            return {0: _bytes(ins.type)}, {}
+        if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
+            update = _bytes(self.types[comp].get(ins.operands[1], ""))
+            return {0: 0.0}, {0: update}
+        return {}, {}
+
+    @functools.lru_cache(maxsize=None)
+    def _fused_access(self, sub: str) -> tuple[dict, dict]:
+        """`_access` of a fusion, from its body: a parameter whose every use slices it, or is the buffer of an
+        in-place update, is read for that alone; a result that is such an update is written for its update."""
+        body = self.comps.get(sub, ())
+        users: dict = {}
+        for ins in body:
+            for k, o in enumerate(ins.operands):
+                users.setdefault(o, []).append((ins, k))
+        reads = {}
+        for ins in body:
+            if ins.op != "parameter" or not re.fullmatch(r"\d+", ins.args.strip()):
+                continue
+            read = [self._partial_read(sub, u, k) for u, k in users.get(ins.name, [])]
+            if read and None not in read:
+                reads[int(ins.args)] = sum(read)
+        root = next((i for i in body if i.root), None)
+        outputs = list(root.operands) if root is not None and root.op == "tuple" else [root.name] if root else []
+        table = {i.name: i for i in body}
+        written = {}
+        for j, name in enumerate(outputs):
+            out = table.get(name)
+            if out is not None and out.op == "dynamic-update-slice":
+                written[j] = self._access(sub, out)[1][0]
+        return reads, written
+
+    def _partial_read(self, comp: str, user: _Instr, k: int) -> Optional[float]:
+        """Bytes ``user`` reads of its operand ``k`` when it reads only part of it (a slice, the buffer of an
+        in-place update, a nested fusion that does either), else None."""
+        if user.op == "fusion" and _attr(user.attrs, "calls"):
+            return self._fused_access(_attr(user.attrs, "calls"))[0].get(k)
+        return self._access(comp, user)[0].get(k) if k == 0 else None
 
     def instruction(self, comp: str, ins: _Instr) -> StepTime:
         op = ins.op
