@@ -200,3 +200,18 @@ def test_splash_and_paged_kernels_are_priced_from_their_shapes():
     fd, bd = cm.kernel_cost("paged_attention.1", [qd, pages, pages, ("s32", (16,), True), table], [qd])
     assert fd == 4.0 * 16 * 8 * 128 * 64
     assert bd == 2 * 2 * 64 * 128 * 2 * 16 + 2 * (16 * 8 * 128 * 2)
+
+
+def test_a_batched_matmul_written_as_a_dilated_convolution_counts_its_real_taps():
+    """XLA:TPU writes a batched dot as a convolution whose batch dimensions are spatial, dilated so that one tap
+    of each window meets an input element: bqkgd,bskd->bkgqs of 16 x 14 heads x 512 x 512 over 64 (from the
+    update of RESULTS 10a) is 2 * 16 * 14 * 512 * 512 * 64 FLOPs, not 224 times that."""
+    attrs = ("window={size=16x2x7 stride=15x1x1 pad=0_0x0_0x6_6 lhs_dilate=16x2x1 rhs_reversal=0x0x1}, "
+             "dim_labels=0b1f2_0o12i->01bf2")
+    assert cm._window_taps(attrs, (16, 512, 2, 64, 1), "0b1f2", (16, 2, 512, 512, 7), "01bf2") == 16 * 2 * 7
+    # a plain convolution: every tap of the window meets the input (3 x 3, stride 1, no padding)
+    plain = "window={size=3x3}, dim_labels=b01f_01io->b01f"
+    assert cm._window_taps(plain, (1, 10, 10, 4), "b01f", (1, 8, 8, 4), "b01f") == 8 * 8 * 9
+    # padding: the taps that fall on the pad meet nothing (1-d, size 3, pad 1 each side, 4 outputs over 4 inputs)
+    padded = "window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f"
+    assert cm._window_taps(padded, (1, 4, 2), "b0f", (1, 4, 2), "b0f") == 3 * 4 - 2

@@ -157,6 +157,7 @@ _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency"}
 _SLICING = ("dynamic-slice", "slice", "gather")
+_LAYOUT = ("copy", "bitcast", "transpose", "reshape")
 _COLLECTIVES = {"all-gather": "gather", "all-gather-start": "gather", "all-reduce": "reduce",
                 "all-reduce-start": "reduce", "reduce-scatter": "scatter", "all-to-all": "gather",
                 "collective-permute": "permute", "collective-permute-start": "permute",
@@ -324,11 +325,15 @@ class _Program:
             dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
             k = _prod(shapes[0][int(d)] for d in dims.group(1).split(",") if d) if dims and shapes[0] else 1
             return 2.0 * out * k
-        labels = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
+        labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
         rhs = shapes[1] if len(shapes) > 1 else ()
-        if not labels or not rhs or "o" not in labels.group(1):
+        if not labels or not rhs or "i" not in labels.group(2):
             return 0.0
-        return 2.0 * out * _prod(rhs) / rhs[labels.group(1).index("o")]
+        lhs_labels, rhs_labels, out_labels = labels.groups()
+        out_shape = _arrays(ins.type)[0][1]
+        dense = _prod(n for n, c in zip(out_shape, out_labels) if not c.isdigit())   # batch x output features
+        return 2.0 * dense * rhs[rhs_labels.index("i")] * _window_taps(ins.attrs, shapes[0], lhs_labels, out_shape,
+                                                                       out_labels)
 
     def _hbm_bytes(self, comp: str, ins: _Instr) -> float:
         """HBM bytes an op moves: its result written and its operands read, except that an operand only sliced
@@ -370,9 +375,9 @@ class _Program:
         for ins in body:
             if ins.op != "parameter" or not re.fullmatch(r"\d+", ins.args.strip()):
                 continue
-            read = [self._partial_read(sub, u, k) for u, k in users.get(ins.name, [])]
-            if read and None not in read:
-                reads[int(ins.args)] = sum(read)
+            read = self._reads_of(sub, ins.name, users)
+            if read is not None:
+                reads[int(ins.args)] = read
         root = next((i for i in body if i.root), None)
         outputs = list(root.operands) if root is not None and root.op == "tuple" else [root.name] if root else []
         table = {i.name: i for i in body}
@@ -383,11 +388,22 @@ class _Program:
                 written[j] = self._access(sub, out)[1][0]
         return reads, written
 
-    def _partial_read(self, comp: str, user: _Instr, k: int) -> Optional[float]:
-        """Bytes ``user`` reads of its operand ``k`` when it reads only part of it (a slice, the buffer of an
-        in-place update, a nested fusion that does either), else None."""
+    def _reads_of(self, comp: str, name: str, users: dict) -> Optional[float]:
+        """Bytes of value ``name`` that its users in fusion body ``comp`` read when they read only part of it
+        (slices, the buffer of an in-place update, through layout changes and nested fusions that do either),
+        else None (read whole)."""
+        read = [self._partial_read(comp, u, k, users) for u, k in users.get(name, [])]
+        return sum(read) if read and None not in read else None
+
+    def _partial_read(self, comp: str, user: _Instr, k: int, users: dict) -> Optional[float]:
+        if user.op in _LAYOUT and k == 0:
+            return self._reads_of(comp, user.name, users)
         if user.op == "fusion" and _attr(user.attrs, "calls"):
-            return self._fused_access(_attr(user.attrs, "calls"))[0].get(k)
+            body = _attr(user.attrs, "calls")
+            read = self._fused_access(body)[0].get(k)
+            if read is None and all(i.op in _LAYOUT + ("parameter",) for i in self.comps.get(body, ())):
+                return self._reads_of(comp, user.name, users)
+            return read
         return self._access(comp, user)[0].get(k) if k == 0 else None
 
     def instruction(self, comp: str, ins: _Instr) -> StepTime:
@@ -480,6 +496,30 @@ class _Program:
             flops, nbytes = float(declared.get("flops", 0)), float(declared.get("bytes_accessed", 0)) or nbytes
         seconds = max(flops / self.chip.peak_flops, nbytes / self.chip.hbm_bytes_per_s)
         return StepTime(pallas=seconds, flops=flops, hbm_bytes=nbytes)
+
+
+def _window_taps(attrs: str, lhs: tuple, lhs_labels: str, out: tuple, out_labels: str) -> int:
+    """The (output position, window tap) pairs of a convolution that meet an input element, over its spatial
+    dimensions: the product of its window sizes for a plain convolution; far fewer where the input is dilated,
+    as in XLA:TPU's batched matmuls written as convolutions (``lhs_dilate``: every tap but one meets a hole)."""
+    window = dict(re.findall(r"(\w+)=([\dx_\-]+)", (re.search(r"window=\{([^}]*)\}", attrs) or [None, ""])[1]))
+    spatial = sorted(int(c) for c in out_labels if c.isdigit())
+
+    def per_dim(key, default):
+        return [tuple(int(v) for v in x.split("_")) if "_" in x else int(x) for x in window[key].split("x")] \
+            if key in window else [default] * len(spatial)
+    size, stride, pad = per_dim("size", 1), per_dim("stride", 1), per_dim("pad", (0, 0))
+    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    taps = 1
+    for j, dim in enumerate(spatial):
+        n_in, n_out = lhs[lhs_labels.index(str(dim))], out[out_labels.index(str(dim))]
+        hits = 0
+        for o in range(n_out):
+            for t in range(size[j]):
+                x = o * stride[j] + t * rhs_dilate[j] - pad[j][0]
+                hits += x >= 0 and x % lhs_dilate[j] == 0 and x // lhs_dilate[j] < n_in
+        taps *= hits
+    return taps
 
 
 def _literal(ins: _Instr) -> Optional[int]:
