@@ -215,3 +215,43 @@ def test_a_batched_matmul_written_as_a_dilated_convolution_counts_its_real_taps(
     # padding: the taps that fall on the pad meet nothing (1-d, size 3, pad 1 each side, 4 outputs over 4 inputs)
     padded = "window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f"
     assert cm._window_taps(padded, (1, 4, 2), "b0f", (1, 4, 2), "b0f") == 3 * 4 - 2
+
+
+_SLICED = '''HloModule m
+
+%copy_body (p: f32[8,1024]) -> f32[8,1024] {
+  %p = f32[8,1024]{1,0} parameter(0)
+  ROOT %c = f32[8,1024]{1,0} copy(%p)
+}
+
+%fused (param_0: f32[8,1024], param_1: s32[]) -> f32[1,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %inner = f32[8,1024]{1,0} fusion(%param_0), kind=kLoop, calls=%copy_body
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%inner, %param_1, %z), dynamic_slice_sizes={1,1024}
+}
+
+%update (param_0: f32[8,1024], param_1: f32[1,1024], param_2: s32[]) -> f32[8,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = f32[1,1024]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[8,1024]{1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %z)
+}
+
+ENTRY %main (a: f32[8,1024], i: s32[]) -> f32[8,1024] {
+  %a = f32[8,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %f = f32[1,1024]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused, backend_config={"window_config":{"estimated_cycles":"10"}}
+  ROOT %g = f32[8,1024]{1,0} fusion(%a, %f, %i), kind=kLoop, calls=%update, backend_config={"window_config":{"estimated_cycles":"10"}}
+}
+'''
+
+
+def test_a_slice_through_a_copy_reads_the_slice_and_an_in_place_update_writes_the_update():
+    row = 1024 * 4
+    t = cm.estimate(_SLICED, cm.CHIPS["v5e"])
+    # the slice: one row read (through the nested copy), one written, the index; the update: one row read and
+    # written, the index (its buffer neither read nor written whole)
+    assert t.hbm_bytes == (2 * row + 4) + (2 * row + 4)
