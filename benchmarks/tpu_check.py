@@ -144,21 +144,21 @@ def compiled_with_estimate(program: Program):
     return compiled, None if mem is None else mem.time
 
 
-def _sampler(run, i: int, new_tokens: int) -> Program:
+def _sampler(parts, i: int, new_tokens: int) -> Program:
     """Policy i's sampler round program at ``new_tokens`` as the memory plan compiles it, on abstract prompts, at
     ``sampling.slots`` (unset: a slot per row; where that does not fit, set it to the S ``mrl plan`` chose); its
     second output's first count is the decode steps."""
     from jax.sharding import NamedSharding
 
     from mrl_jax import mwra, rollout_slots
-    from mrl_jax.trainer.memory import _key, padded_prompts, prompt_width
+    from mrl_jax.trainer.memory import _key, padded_prompts
 
-    pol, mesh = run.policies[i], run.placement.meshes[i]
-    params = run.state_template().policies[i].params
-    d, Tp = int(mesh.devices.size), prompt_width(run, pol)
-    P, G = padded_prompts(run, d), pol.num_generations
+    pol, mesh = parts.policies[i], parts.placement.meshes[i]
+    params = parts.policy_template(i).params
+    d, Tp = int(mesh.devices.size), parts.widths[i]
+    P, G = padded_prompts(parts, d), pol.num_generations
     cfg = dataclasses.replace(pol.sampling, max_new_tokens=new_tokens)
-    S = rollout_slots.slot_count(P * G, pol.slots, d)
+    S = rollout_slots.slot_count(P * G, pol.spec.sampling.slots, d)
     rungs = rollout_slots.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
                                 ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G),
                                 shape=pol.spec.sampling.ladder_shape)
@@ -170,32 +170,33 @@ def _sampler(run, i: int, new_tokens: int) -> Program:
                    steps=lambda out: jax.device_get(out[1])[0])
 
 
-def policy_programs(run, i: int) -> tuple:
-    """(update, sampler, prefill) `Program`s of policy i of ``run`` (a `Run` on the local devices)."""
-    from mrl_jax.trainer.memory import _update_inputs, prompt_width
+def policy_programs(parts, i: int) -> tuple:
+    """(update, sampler, prefill) `Program`s of policy i of ``parts`` (a run's abstract `trainer.parts.Parts` on
+    the local devices)."""
+    from mrl_jax.trainer.memory import _update_inputs
 
-    pol, mesh = run.policies[i], run.placement.meshes[i]
-    state = run.state_template().policies[i]
-    inputs = _update_inputs(run, pol, mesh, prompt_width(run, pol))
+    pol, mesh = parts.policies[i], parts.placement.meshes[i]
+    state = parts.policy_template(i)
+    inputs = _update_inputs(parts, pol, mesh, parts.widths[i])
     update = Program(pol.name, "update", pol.update, (state.params, state.opt_state, state.ref_params, *inputs),
                      carry=lambda args, out: (out[0], out[1], *args[2:]))
-    return update, _sampler(run, i, pol.sampling.max_new_tokens), _sampler(run, i, 1)
+    return update, _sampler(parts, i, pol.sampling.max_new_tokens), _sampler(parts, i, 1)
 
 
-def check(run, warmup: int = 2, repeats: int = 5, estimate: Optional[Callable] = None) -> list[dict]:
+def check(parts, warmup: int = 2, repeats: int = 5, estimate: Optional[Callable] = None) -> list[dict]:
     """Every policy's phases, measured and estimated (`phase_rows`); ``estimate(program, compiled)`` replaces
     the compile's own estimate (the CPU tests give one)."""
     rows = []
-    for i in range(len(run.policies)):
+    for i in range(len(parts.policies)):
         timed = []
-        for program in policy_programs(run, i):
+        for program in policy_programs(parts, i):
             compiled, est = compiled_with_estimate(program)
             est = est if estimate is None else estimate(program, compiled)
             m = measure(compiled, random_inputs(program.args, seed=i), program.carry, program.steps, warmup, repeats)
             timed.append((m, est))
             print(f"[tpu_check] {program.policy} {program.name}: {m.median_s * 1e3:.3f} ms median of {repeats}"
                   f"{'' if not m.steps else f', {m.steps} decode steps'}", flush=True)
-        rows.extend(phase_rows(run.policies[i].name, *timed))
+        rows.extend(phase_rows(parts.policies[i].name, *timed))
     return rows
 
 
@@ -212,10 +213,10 @@ def main(argv=None) -> int:
               "where the plan's programs run and XLA:TPU's estimate is checked", flush=True)
         return 0
     from mrl_jax.trainer.config import load_run_config
-    from mrl_jax.trainer.run import Run
+    from mrl_jax.trainer.parts import build_parts
 
-    run = Run(load_run_config(args.config), devices=jax.devices(), abstract=True)
-    rows = check(run, args.warmup, args.repeats)
+    parts = build_parts(load_run_config(args.config), devices=jax.devices(), abstract=True)
+    rows = check(parts, args.warmup, args.repeats)
     for row in rows:
         print(line(row), flush=True)
     out = args.out or os.path.join(os.environ.get("OUT") or ".", "tpu_check.json")

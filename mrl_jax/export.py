@@ -89,9 +89,9 @@ def _complete_rounds(run_dir: Path) -> list[int]:
 
 
 def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
-    """(Policy, PolicyState, round) of policy ``index`` at ``checkpoint`` (default: latest)."""
+    """(BuiltPolicy, PolicyState, round) of policy ``index`` at ``checkpoint`` (default: latest)."""
     from mrl_jax.trainer.checkpoint import CheckpointError, RunCheckpointer
-    from mrl_jax.trainer.loop import Run
+    from mrl_jax.trainer.parts import build_parts
     from mrl_jax.trainer.run_lock import read_lock
 
     rounds = _complete_rounds(run_dir)
@@ -99,16 +99,16 @@ def _restore(run_dir: Path, cfg, index: int, checkpoint: int | None):
     if step not in rounds:
         raise ExportError(f"--checkpoint {step}: {run_dir / 'checkpoints'} has no complete checkpoint of that round; "
                           f"complete rounds: {rounds}")
-    run = Run(cfg, plan_memory=False)   # samples nothing: no sampler to size
+    parts = build_parts(cfg)   # samples nothing: no sampler to size, no memory plan
     with read_lock(run_dir):   # a train writing there (checkpoints written and deleted) refuses the export
         ckpt = RunCheckpointer(run_dir, keep=cfg.keep_checkpoints)
         try:
-            state, meta = ckpt.restore(run.state_template(), step)
+            state, meta = ckpt.restore(parts.state_template(), step)
         except CheckpointError as e:
             raise ExportError(str(e)) from e
         finally:
             ckpt.close()
-    return run.policies[index], state.policies[index], int(meta.get("round", step))
+    return parts.policies[index], state.policies[index], int(meta.get("round", step))
 
 
 def _read_json(path: Path) -> dict:

@@ -157,7 +157,7 @@ def one_device_policy(cfg, tokenizer, model, index: int = 0):
     n = len(cfg.policies)
     placement = make_placement(cfg, [1] * n, [1.0] * n, jax.devices()[:1])
     built = build_policy(index, spec, tokenizer, add_lora(spec, model, seed=cfg.seed * 1000 + index), cfg, placement)
-    return built.policy, built.params
+    return built.policy(slot_width=0, slots=spec.sampling.slots), built.params
 
 
 def _uniform(*parts: Any) -> float:

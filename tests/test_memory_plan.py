@@ -74,6 +74,13 @@ def test_plan_progress_lines_on_the_cli_stream():
         logger.handlers, logger.level, logger.propagate = before
 
 
+def _width(run, pol) -> int:
+    """The slot width of ``pol``: `parts.prompt_width` of the train prompts as the round draws them."""
+    from mrl_jax.trainer.parts import prompt_width
+
+    return prompt_width(run.parts.prompts.drawn_texts(), pol.tokenizer, pol.prompt_format, pol.prompt_limit)
+
+
 @pytest.fixture(scope="module")
 def planned():
     run = Run(support.to_run_config(one_policy(mwra={"memory_gb": 64.0})))
@@ -85,7 +92,7 @@ def test_plan_figures_are_the_compiled_update_on_real_arrays(planned):
     pol, f = run.policies[0], plan.figures[0]
     state = run.initial_state().policies[0]
     P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.max_completion_length
-    Tp = memory.prompt_width(run, pol)
+    Tp = _width(run, pol)
     shapes = memory.abstract_rows(P, G, Tp, Tc)
     mesh = run.placement.meshes[0]
     batch = mwra.shard_rows(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), mesh, strict=False)
@@ -135,10 +142,10 @@ def test_a_plan_that_cannot_fit_stops_with_the_micro_batch_that_does(planned, tm
 
 def test_cpu_without_memory_gb_compiles_nothing():
     run = Run(support.to_run_config(one_policy()))
-    assert run.memory is None and memory.plan_memory(run) is None
+    assert run.memory is None and memory.plan_memory(run.parts) is None
     # the sampler is sized at build all the same: one slot width (the widest train prompt) for every round
     pol = run.policies[0]
-    assert pol.slot_width == memory.prompt_width(run, pol) > 0 and pol.slots is None
+    assert pol.slot_width == _width(run, pol) > 0 and pol.slots is None
 
 
 LONG = {"max_new_tokens": 40}   # past slot_ladder.SHORT: a round long enough for the ladder
@@ -174,7 +181,7 @@ def test_a_planned_run_is_built_with_the_plans_slots(planned):
     run, plan = planned
     pol = run.policies[0]
     assert pol.slots == plan.figures[0].slots == run.cfg.prompts_per_round * pol.num_generations
-    assert pol.slot_width == memory.prompt_width(run, pol)
+    assert pol.slot_width == _width(run, pol)
     assert f"S = {pol.slots} decode slots for {pol.slots} rows a round (every row)" in run.sampler_lines()[0]
 
 
@@ -250,7 +257,7 @@ def test_sampler_figure_is_the_slot_sampler_at_the_chosen_slots(planned):
     assert f.slots == rows and f"sampler at S = {rows} slots" in str(plan) and plan.to_dict()["policies"][
         pol.name]["sampler_slots"] == rows
     mesh, params = run.placement.meshes[0], run.state_template().policies[0].params
-    Tp = memory.prompt_width(run, pol)
+    Tp = _width(run, pol)
     full, s = memory._sampler(run, pol, mesh, params, Tp)
     assert s == rows and full == f.sampler
     run = Run(support.to_run_config(one_policy(**{"policies.0.sampling": LONG})))
@@ -283,7 +290,7 @@ def test_prompt_width_is_that_of_the_prompts_the_round_draws(tmp_path, overlong)
                      **{"policies.0.max_prompt_length": 48})
     run = Run(support.to_run_config(cfg))
     pol = run.policies[0]
-    width = memory.prompt_width(run, pol)
+    width = _width(run, pol)
     raw = max(len(s) for s in pol.prompt_format.encode(pol.tokenizer, [p.text for p in run.train_prompts]))
     assert raw > 400 and width <= 48
     drawn = run.round_inputs(0).prompts

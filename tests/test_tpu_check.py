@@ -81,15 +81,15 @@ def test_check_runs_a_tiny_runs_programs_on_the_cpu(tpu_check, capsys):
     estimate faked: every phase measured, the decode steps counted (at most 6 with random weights' early stops)."""
     from support import tiny_config, to_run_config
 
-    from mrl_jax.trainer.run import Run
+    from mrl_jax.trainer.parts import build_parts
 
     cfg = tiny_config()
     cfg["policies"] = cfg["policies"][:1]
-    run = Run(to_run_config(cfg), devices=jax.devices()[:1], abstract=True)
+    parts = build_parts(to_run_config(cfg), devices=jax.devices()[:1], abstract=True)
 
     def fake(program, compiled):
         return StepTime(fusion=0.001) if program.name == "update" else _sampler_estimate(0.001, 0.0001)
-    rows = tpu_check.check(run, warmup=1, repeats=2, estimate=fake)
+    rows = tpu_check.check(parts, warmup=1, repeats=2, estimate=fake)
     assert [r["phase"] for r in rows] == ["update", "prefill", "decode step", "sampler"]
     assert all(r["policy"] == "llama_bpe" for r in rows)
     assert rows[0]["measured_s"] > 0 and rows[0]["ratio"] == pytest.approx(rows[0]["measured_s"] / 0.001)

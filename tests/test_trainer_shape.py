@@ -76,8 +76,8 @@ def test_stop_hook_saves_then_ends_the_generator(scorer, tmp_path):
     ckpt = RunCheckpointer(tmp_path)
     save = CheckpointHook(ckpt)
     stop = SkippedUpdatesStop(2, save, tmp_path)
-    pols = [stop.recorder.wrap(_stub(p, skipped=float(p.index == 0))) for p in run.policies]
-    trainer = Trainer(run, scorer, policies=pols)
+    pols = [_stub(p, skipped=float(p.index == 0)) for p in run.policies]
+    trainer = Trainer(run, scorer, policies=pols, on_update=stop.recorder.record)
     trainer.add_hook(save, every=4, at_end=True)
     trainer.add_hook(stop)
     seen = []

@@ -70,20 +70,15 @@ class CheckpointHook:
 
 
 class LastInputs:
-    """Wraps each policy's jitted ``update`` to keep a reference to the last (rows, see_view) it got, so rows
-    that made the update non-finite can be saved for inspection (no copy, no device sync)."""
+    """Keeps a reference to the last (rows, see_view) each policy's update got (``record``, the round's
+    ``on_update``), so rows that made the update non-finite can be saved for inspection (no copy, no device
+    sync)."""
 
     def __init__(self):
         self.inputs: dict[str, tuple] = {}
 
-    def wrap(self, policy: Policy) -> Policy:
-        update = policy.update
-
-        def recorded(params, opt_state, ref_params, rows, see_view, key, step):
-            self.inputs[policy.name] = (rows, see_view)
-            return update(params, opt_state, ref_params, rows, see_view, key, step)
-
-        return dataclasses.replace(policy, update=recorded)
+    def record(self, policy: Policy, rows, see_view) -> None:
+        self.inputs[policy.name] = (rows, see_view)
 
     def save(self, name: str, path: Path, prompts: Sequence[Prompt], round_index: int) -> Path | None:
         """Write the last rows and SEE view of ``name`` as ``path`` (.npz); arrays named by their field path
@@ -129,7 +124,8 @@ class SkippedUpdatesStop:
     optimizer state's, ``skipped_in_a_row``, so it runs on across a resume). The first skip of a streak is one
     stderr line naming the non-finite term (``nonfinite_cause``; ``probes``: ``{policy: probe spec}``). Before
     raising ``TrainingStopped`` it saves the round's checkpoint (``save``) and each such policy's last batch
-    (``failed_batch_<policy>_round<r>.npz`` in ``out``); wrap the policies with ``recorder`` for the batches."""
+    (``failed_batch_<policy>_round<r>.npz`` in ``out``); the rounds' ``on_update`` is ``recorder.record`` for the
+    batches."""
 
     def __init__(self, limit: int, save: CheckpointHook, out: Path, probes: dict | None = None):
         self.limit, self.save, self.out, self.probes = limit, save, Path(out), dict(probes or {})

@@ -32,7 +32,8 @@ from mrl_jax.trainer.metrics import RunLog
 from mrl_jax.trainer.placement import fetch, placement_summary
 from mrl_jax.trainer.policy import Policy, param_count
 from mrl_jax.trainer.round import RunState, run_round
-from mrl_jax.trainer.run import Run, build_task, task_corpus, text_budget
+from mrl_jax.trainer.parts import build_task, task_corpus, text_budget
+from mrl_jax.trainer.run import Run
 from mrl_jax.trainer.run_lock import read_lock, run_lock
 
 
@@ -41,12 +42,12 @@ class Trainer:
     yields a ``RoundInfo`` for each, after the hooks registered with ``add_hook(fn, every=N)`` ran on it."""
 
     def __init__(self, run: Run, scorer, *, policies: Sequence[Policy] | None = None,
-                 device_guard: str | None = None):
-        """``policies``: the run's policies as the rounds use them (default ``run.policies``; e.g. wrapped to
-        record their inputs); ``device_guard``: see ``run_round``."""
+                 device_guard: str | None = None, on_update: Callable | None = None):
+        """``policies``: the run's policies as the rounds use them (default ``run.policies``); ``device_guard``
+        and ``on_update`` (e.g. `hooks.LastInputs.record`): see ``run_round``."""
         self.run, self.scorer = run, scorer
         self.policies = list(policies or run.policies)
-        self.device_guard = device_guard
+        self.device_guard, self.on_update = device_guard, on_update
         self.hooks: list[Hook] = []
 
     def add_hook(self, fn: Callable[[RoundInfo], None], *, every: int = 1, at_end: bool = False):
@@ -63,7 +64,7 @@ class Trainer:
         for r in range(start, end):
             inputs = self.run.round_inputs(r)
             state, metrics, samples = run_round(self.policies, state, inputs, self.scorer,
-                                                device_guard=self.device_guard)
+                                                device_guard=self.device_guard, on_update=self.on_update)
             info = RoundInfo(inputs=inputs, state=state, metrics=metrics, samples=samples, last=r + 1 == end)
             for hook in self.hooks:
                 if hook.due(info):
@@ -370,7 +371,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, task: Task | None, reward_sp
     before = _before(run, state, out, start, primary)
     try:
         with _reward_scorer(run, reward_specs) as scorer:
-            trainer = Trainer(run, scorer, policies=[stop.recorder.wrap(p) for p in run.policies])
+            trainer = Trainer(run, scorer, on_update=stop.recorder.record)
             trainer.add_hook(log_hook(log))
             if primary:
                 trainer.add_hook(reward_failure_hook(scorer))

@@ -34,12 +34,10 @@ from mrl_jax.models import lora as lora_lib
 from mrl_jax.models.factory import build_model
 from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, devices_needed, gb, largest_fitting, over_limit,
                                       step_memory, tree_bytes)
-from mrl_jax.rollout import bucket_length
 from mrl_jax.rows import Rows, own_rows
-from mrl_jax.trainer.encoding import PROMPT_BUCKETS
 from mrl_jax.trainer.placement import device_memory_bytes, pad_rows, pin_update
 from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
-from mrl_jax.trainer.policy import add_lora, update_factory
+from mrl_jax.trainer.policy import PolicyState, add_lora, update_factory
 
 # one INFO line before each compile (a real-shape plan compiles for minutes): `mrl plan` shows them on stderr
 log = logging.getLogger("mrl_jax.plan")
@@ -84,24 +82,14 @@ class MemoryPlan:
                 "policies": {f.name: f.to_dict() for f in self.figures}, "misfits": list(self.misfits)}
 
 
-def prompt_width(run, pol) -> int:
-    """The widest prompt array the round can give ``pol``: its longest train prompt as the round draws it (after
-    ``overlong_prompts``: truncated, or rejected and never drawn), bucketed and capped as
-    ``encoding.encode_prompts`` does."""
-    texts = [run.replacement.get(p.id, p).text for p in run.train_prompts if p.id not in run.rejected]
-    seqs = pol.prompt_format.encode(pol.tokenizer, texts)
-    longest = max(1, max(len(s) for s in seqs))
-    return max(longest, min(bucket_length(longest, PROMPT_BUCKETS), pol.prompt_limit))
-
-
 def _key(mesh):
     k = jax.eval_shape(lambda: jax.random.key(0))
     return jax.ShapeDtypeStruct(k.shape, k.dtype, sharding=NamedSharding(mesh, mwra.REPLICATED))
 
 
-def _update_inputs(run, pol, mesh, Tp: int):
-    P, G, Tc = run.cfg.prompts_per_round, pol.num_generations, pol.max_completion_length
-    view = jax.eval_shape(lambda: see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, len(run.policies),
+def _update_inputs(parts, pol, mesh, Tp: int):
+    P, G, Tc = parts.cfg.prompts_per_round, pol.num_generations, pol.max_completion_length
+    view = jax.eval_shape(lambda: see_lib.empty_view(P, pol.view_shape.slots, Tc, Tc, len(parts.policies),
                                                      consumer=pol.index))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, mwra.REPLICATED))
     return placed(abstract_rows(P, G, Tp, Tc), mesh), placed(view, mesh), _key(mesh), step
@@ -124,19 +112,19 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
 
 
-def padded_prompts(run, devices: int) -> int:
-    """A train round's prompts padded to a multiple of the policy's data axis (``devices``): its sampler decodes
-    that x G rows."""
-    return pad_rows(run.cfg.prompts_per_round, devices)
+def padded_prompts(parts, devices: int) -> int:
+    """A train round's prompts (``parts.cfg``: a `Parts`' or a `Run`'s) padded to a multiple of the policy's data
+    axis (``devices``): its sampler decodes that x G rows."""
+    return pad_rows(parts.cfg.prompts_per_round, devices)
 
 
-def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
+def _sampler(parts, pol, mesh, params, Tp: int, room: Optional[int] = None):
     """(the sampler's figure, S): at ``sampling.slots`` when set, else at every row (P x G) when its transient fits
     in ``room`` bytes (None: unchecked), else at the largest S that does (over multiples of the data axis, starting
     where the peak's line through S = d and S = P x G meets the room); ConfigError naming the figure at the
     smallest S when none does."""
     d = int(mesh.devices.size)
-    P = padded_prompts(run, d)
+    P = padded_prompts(parts, d)
     B = P * pol.num_generations
     at = {}
 
@@ -150,7 +138,7 @@ def _sampler(run, pol, mesh, params, Tp: int, room: Optional[int] = None):
         f = fig(s)
         return room is None or f is None or f.peak - tree_bytes(params) <= room
 
-    asked = pol.spec.sampling.slots   # the config's S (pol.slots: the S a plan chose, once built)
+    asked = pol.spec.sampling.slots   # the config's S
     if asked is not None or fits(B):
         s = rollout_slots.slot_count(B, asked, d)
         return fig(s), s
@@ -180,10 +168,10 @@ def _figure(pol, state, update, inputs, sampler) -> Optional[PolicyMemory]:
                         reference=tree_bytes(state.ref_params), update=upd, sampler=sampler)
 
 
-def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]:
-    """The run's memory plan (see module doc); None where no limit is known. ``ConfigError`` when it does not
-    fit, one line per policy that does not."""
-    cfg, placement = run.cfg, run.placement
+def plan_memory(parts, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]:
+    """The memory plan of a run's built pieces (``parts``: `trainer.parts.Parts`; see module doc); None where no
+    limit is known. ``ConfigError`` when it does not fit, one line per policy that does not."""
+    cfg, placement = parts.cfg, parts.placement
     if cfg.mwra.memory_gb:
         limit, source = int(cfg.mwra.memory_gb * (1 << 30)), "mwra.memory_gb"
     else:
@@ -191,24 +179,24 @@ def plan_memory(run, devices: Optional[Sequence] = None) -> Optional[MemoryPlan]
         limit, source = device_memory_bytes(devs), "reported by the device"
     if not limit:
         return None
-    plan = compile_plan(run, limit, source)
+    plan = compile_plan(parts, limit, source)
     if plan is not None and plan.misfits:
         raise ConfigError("\n".join(plan.misfits))
     return plan
 
 
-def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
-    """Every policy's update and sampler compiled on its mesh (abstract inputs) and checked against ``limit``
-    bytes per device; the fixes computed for each policy that does not fit. None where the backend reports no
-    memory analysis."""
-    template = run.state_template().policies
+def compile_plan(parts, limit: int, source: str) -> Optional[MemoryPlan]:
+    """Every policy of ``parts`` (`trainer.parts.Parts`) with its update and sampler compiled on its mesh
+    (abstract inputs, prompts of its slot width) and checked against ``limit`` bytes per device; the fixes
+    computed for each policy that does not fit. None where the backend reports no memory analysis."""
+    template = [parts.policy_template(i) for i in range(len(parts.policies))]
     figures, ctx, seconds = [], [], []
-    for i, pol in enumerate(run.policies):
-        mesh, Tp = run.placement.meshes[i], prompt_width(run, pol)
-        inputs = _update_inputs(run, pol, mesh, Tp)
+    for i, pol in enumerate(parts.policies):
+        mesh, Tp = parts.placement.meshes[i], parts.widths[i]
+        inputs = _update_inputs(parts, pol, mesh, Tp)
         state = template[i]
         t0 = time.perf_counter()
-        sampler, slots = _sampler(run, pol, mesh, state.params, Tp, limit - tree_bytes(state))
+        sampler, slots = _sampler(parts, pol, mesh, state.params, Tp, limit - tree_bytes(state))
         t1 = time.perf_counter()
         log.info("%s: compiling the update (%s)", pol.name, _micro_batch_text(pol.spec.optimizer.micro_batch_size))
         f = _figure(pol, state, pol.update, inputs, sampler)
@@ -217,9 +205,9 @@ def compile_plan(run, limit: int, source: str) -> Optional[MemoryPlan]:
         seconds.append({"sampler": t1 - t0, "update": time.perf_counter() - t1})
         figures.append(dataclasses.replace(f, slots=slots))
         ctx.append((mesh, inputs, sampler))
-    groups = [p.device_ids for p in run.placement.plan.policies]
+    groups = [p.device_ids for p in parts.placement.plan.policies]
     bad = over_limit(groups, figures, limit)
-    lines = tuple(fix_line(run, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
+    lines = tuple(fix_line(parts, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
     return MemoryPlan(figures=tuple(figures), limit=limit, source=source, misfits=lines,
                       compile_seconds=tuple(seconds))
 
@@ -234,21 +222,21 @@ def micro_batch_candidates(rows: int, G: int) -> list[int]:
     return sorted({m for m in range(1, rows) if (m % G == 0 and rows % m == 0) or G % m == 0})
 
 
-def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, source: str, mesh, inputs, sampler,
+def fix_line(parts, i: int, figures: Sequence[PolicyMemory], groups, limit: int, source: str, mesh, inputs, sampler,
              state) -> str:
     """One line: policy i's figure, the limit and every computed fix (a micro-batch fits when every device of
     the policy fits with the policies that time-share it)."""
-    pol, spec, fig = run.policies[i], run.policies[i].spec, figures[i]
+    pol, spec, fig = parts.policies[i], parts.policies[i].spec, figures[i]
     key = f"policies.{pol.name}"
-    mb_now = spec.optimizer.micro_batch_size or run.cfg.prompts_per_round * pol.num_generations
-    rows = run.cfg.prompts_per_round * pol.num_generations
+    mb_now = spec.optimizer.micro_batch_size or parts.cfg.prompts_per_round * pol.num_generations
+    rows = parts.cfg.prompts_per_round * pol.num_generations
     seen: dict[int, PolicyMemory] = {mb_now: fig}
 
     def at(m: int) -> Optional[PolicyMemory]:
         if m not in seen:
             log.info("%s: fix search: compiling the update at micro_batch_size %d", pol.name, m)
             try:
-                seen[m] = _figure(pol, state, pin_update(run.update_at[i](m), mesh, state_shardings(state)), inputs,
+                seen[m] = _figure(pol, state, pin_update(pol.update_at(m), mesh, state_shardings(state)), inputs,
                                   sampler)
             except jax.errors.JaxRuntimeError:   # a micro-batch the compiler rejects (e.g. XLA:TPU collectives)
                 seen[m] = None
@@ -270,7 +258,7 @@ def fix_line(run, i: int, figures: Sequence[PolicyMemory], groups, limit: int, s
     n = devices_needed(fig.state, int(mesh.devices.size), smallest.transient, limit)
     fixes.append(f"{n} device(s) for it (has {mesh.devices.size}; policies.{pol.name}.devices or mwra.devices)"
                  if n else "no device count fits (the step's transient alone exceeds the limit)")
-    fixes.extend(_model_fixes(run, i, limit, mesh, inputs, sampler, mb_now))
+    fixes.extend(_model_fixes(parts, i, limit, mesh, inputs, sampler, mb_now))
     return (f"config key '{key}': needs {gb(fig.total)} per device ({fig.line()}) but the device memory is "
             f"{gb(limit)} ({source}); fixes: " + "; ".join(fixes))
 
@@ -279,21 +267,21 @@ def state_shardings(state):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def _model_fixes(run, i: int, limit: int, mesh, inputs, sampler, mb: int) -> list[str]:
+def _model_fixes(parts, i: int, limit: int, mesh, inputs, sampler, mb: int) -> list[str]:
     """Whether ``model.remat: full`` (when not set) and LoRA (when not used) fit, compiled at micro-batch ``mb``."""
-    pol, spec = run.policies[i], run.policies[i].spec
+    pol, spec = parts.policies[i], parts.policies[i].spec
     out = []
-    config = getattr(nnx.merge(pol.graphdef, run.state_template().policies[i].params), "config", None)
+    config = getattr(nnx.merge(pol.graphdef, parts.policy_template(i).params), "config", None)
     if config is None:
         return out
     if spec.model.remat != "full":
         log.info("%s: fix search: compiling the update with model.remat full", pol.name)
-        f = _rebuilt(run, i, dataclasses.replace(config, remat="full"), bool(spec.lora.rank), mesh, inputs, sampler,
+        f = _rebuilt(parts, i, dataclasses.replace(config, remat="full"), bool(spec.lora.rank), mesh, inputs, sampler,
                      mb)
         out.append(f"model.remat: full {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
     if not spec.lora.rank:
         log.info("%s: fix search: compiling the update with lora.rank %d", pol.name, LORA_RANK)
-        f = _rebuilt(run, i, config, True, mesh, inputs, sampler, mb)
+        f = _rebuilt(parts, i, config, True, mesh, inputs, sampler, mb)
         out.append(f"lora.rank: {LORA_RANK} {'fits' if f.total <= limit else 'does not fit'} ({gb(f.total)})")
     return out
 
@@ -312,21 +300,20 @@ def _abstract(spec, config, lora: bool):
     return nnx.eval_shape(build)
 
 
-def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) -> PolicyMemory:
+def _rebuilt(parts, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) -> PolicyMemory:
     """Figures of policy i rebuilt abstractly from model ``config`` (with LoRA adapters when ``lora``, see
     `_abstract`), at micro-batch ``mb``: optimizer over the trainable leaves, no reference params for LoRA
     (its reference is the base with adapters off)."""
-    pol = run.policies[i]
+    pol = parts.policies[i]
     model = _abstract(pol.spec, config, lora)
     params = nnx.state(model)
     trainable = lora_lib.split_adapters(params)[0] if lora else params
     opt_state = jax.eval_shape(pol.optimizer.init, trainable)
-    ps = mwra.param_shardings(params, mesh, run.placement.rules, min_size=run.placement.min_size)
+    ps = mwra.param_shardings(params, mesh, parts.placement.rules, min_size=parts.placement.min_size)
     os = mwra.opt_state_shardings(opt_state, ps, mesh)
     put = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)  # noqa
     ref = None if lora or pol.spec.grpo.beta == 0 else put(params, ps)
-    state = type(run.state_template().policies[i])(params=put(params, ps), opt_state=put(opt_state, os),
-                                                   ref_params=ref)
+    state = PolicyState(params=put(params, ps), opt_state=put(opt_state, os), ref_params=ref)
     make = update_factory(model, lora, pol.optimizer, pol.probe,
                           pol.spec.grpo.resolved(pol.num_generations, pol.max_completion_length,
                                                  pol.sampling.temperature), pol.spec)
@@ -334,4 +321,4 @@ def _rebuilt(run, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) ->
 
 
 __all__ = ["LORA_RANK", "MemoryPlan", "abstract_rows", "compile_plan", "fix_line", "micro_batch_candidates", "placed",
-           "plan_memory", "prompt_width"]
+           "plan_memory"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from flax import nnx, struct
@@ -59,7 +59,7 @@ class Policy:
     num_generations: int = 1  # G: completions per prompt
     view_shape: ViewShape = ViewShape()  # its SEE view slots per prompt
     prompt_limit: int = 1 << 30  # prompt tokens it accepts (template and BOS included)
-    slots: Optional[int] = None  # the sampler's decode slots (sampling.slots; None: every row)
+    slots: Optional[int] = None  # decode slots (sampling.slots, else the memory plan's S; None: every row)
     slot_width: int = 0  # prompt entries of each slot, at least (the widest train prompt: one decode program)
 
     @property
@@ -275,22 +275,53 @@ def prompt_limit(spec: PolicySpec, model) -> int:
     return limit
 
 
-class BuiltPolicy(NamedTuple):
-    """What `build_policy` makes: the placed record, the model's params (host or built weights), the shapes of its
-    ``PolicyState`` and ``update_at(micro_batch_size)``, its unpinned update at another micro-batch (the memory
-    plan's fix search compiles those)."""
+@dataclasses.dataclass(frozen=True)
+class BuiltPolicy:
+    """What `build_policy` makes: a policy's built pieces on its mesh, before its sampler is sized -- the fields
+    of its `Policy` (all but ``slot_width`` and ``slots``), the model's params (host or built weights; shapes for an
+    abstract build), the shapes of its ``PolicyState`` and ``update_at(micro_batch_size)``, its unpinned update at
+    another micro-batch (the memory plan's fix search compiles those). The planners read these; `policy` makes the
+    record once the sampler is sized."""
 
-    policy: Policy
+    index: int
+    spec: PolicySpec
+    graphdef: Any
+    tokenizer: Tokenizer
+    sampling: SamplingConfig
+    probe: Probe
+    optimizer: Any
+    update: Callable
+    mesh: Any
+    prompt_format: PromptFormat
+    num_generations: int
+    view_shape: ViewShape
+    prompt_limit: int
     params: Any
     state_shapes: PolicyState
     update_at: Callable[[int], Callable]
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def policy(self, slot_width: int, slots: Optional[int]) -> Policy:
+        """The policy's record with its sampler sized: ``slot_width`` prompt entries per slot, ``slots`` decode
+        slots (None: every row)."""
+        return Policy(index=self.index, spec=self.spec, graphdef=self.graphdef, tokenizer=self.tokenizer,
+                      sampling=self.sampling, probe=self.probe, optimizer=self.optimizer, update=self.update,
+                      mesh=self.mesh, prompt_format=self.prompt_format, num_generations=self.num_generations,
+                      view_shape=self.view_shape, prompt_limit=self.prompt_limit, slots=slots, slot_width=slot_width)
+
 
 def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run: RunConfig,
-                 placement) -> BuiltPolicy:
+                 placement, prompt_format: Optional[PromptFormat] = None) -> BuiltPolicy:
     """Policy ``index`` of ``model`` (with its adapters: `add_lora`) on ``placement.meshes[index]``: graph,
     optimizer, sampler config, and its update jitted for that mesh with the state sharded as
-    ``placement.shardings`` places it.
+    ``placement.shardings`` places it; ``prompt_format``: `build_prompt_format`'s (None: built here).
 
     ``spec.lora.rank > 0``: the params are the full state (base + adapters, what the sampler and checkpoints
     use) and ``Policy.init_state`` gives an optimizer state of the adapters only."""
@@ -309,18 +340,18 @@ def build_policy(index: int, spec: PolicySpec, tokenizer: Tokenizer, model, run:
     update_at = update_factory(model, bool(spec.lora.rank), optimizer, probe, grpo_cfg, spec)
     stops = build_stop_ids(spec, tokenizer)
     model_vocab = model.config.vocab_size
-    prompt_format = build_prompt_format(spec, tokenizer)
+    if prompt_format is None:
+        prompt_format = build_prompt_format(spec, tokenizer)
     warn_about_stops(spec, tokenizer, prompt_format, stops)
     sampling = spec.sampling.build(tuple(stops), pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
                                    vocab_size=tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else 0)
     shapes = jax.eval_shape(lambda p: fresh_state(spec, optimizer, p, p if holds_reference(spec) else None), params)
     mesh = placement.meshes[index]
     update = lockstep(mesh, pin_update(update_at(opt.micro_batch_size), mesh, placement.shardings(index, shapes)))
-    policy = Policy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
-                    probe=probe, optimizer=optimizer, update=update, mesh=mesh, prompt_format=prompt_format,
-                    num_generations=run.num_generations, view_shape=run.see.view_shape(), prompt_limit=limit,
-                    slots=spec.sampling.slots)
-    return BuiltPolicy(policy, params, shapes, update_at)
+    return BuiltPolicy(index=index, spec=spec, graphdef=graphdef, tokenizer=tokenizer, sampling=sampling,
+                       probe=probe, optimizer=optimizer, update=update, mesh=mesh, prompt_format=prompt_format,
+                       num_generations=run.num_generations, view_shape=run.see.view_shape(), prompt_limit=limit,
+                       params=params, state_shapes=shapes, update_at=update_at)
 
 
 def param_count(state: PolicyState) -> int:

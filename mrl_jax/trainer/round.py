@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -284,11 +284,13 @@ def _stage(pol: Policy, s: Sampled, view, keys: "RoundKeys") -> tuple:
 
 
 def _updates(policies: Sequence[Policy], states: Sequence[PolicyState], staged: Sequence[tuple], round_index: int,
-             guard, t0: float) -> tuple[list, list, list]:
+             guard, t0: float, on_update=None) -> tuple[list, list, list]:
     """([new PolicyState], [update metrics on the host], [stamps]): every policy's update dispatched before any
-    metric is read; the metrics fetched once."""
+    metric is read (``on_update(policy, rows, view)`` just before each); the metrics fetched once."""
     new_states, raws, stamps = [], [], []
     for pol, ps, (rows, view, ukey) in zip(policies, states, staged):
+        if on_update is not None:
+            on_update(pol, rows, view)
         with guard():
             new, raw = _update_policy(pol, ps, rows, view, ukey, round_index)
         new_states.append(new)
@@ -346,7 +348,8 @@ def _sample(policies: Sequence[Policy], states: Sequence[PolicyState], prompts: 
 
 
 def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, scorer, *,
-              num_samples_logged: int = 2, device_guard: str | None = None) -> tuple[RunState, dict, list]:
+              num_samples_logged: int = 2, device_guard: str | None = None,
+              on_update: Callable | None = None) -> tuple[RunState, dict, list]:
     """Run one round for every policy on ``inputs.prompts``; returns ``(state, {policy: metrics}, samples)``.
 
     Concurrency: every policy's rollout is dispatched before any result is read, every update before any
@@ -355,7 +358,8 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     (result on the host), ``time/update_dispatched``, ``time/update_read`` and ``time/update_ready``; a first
     round traces and compiles inside each dispatch, so overlap shows from the second round on.
     ``device_guard``: a ``jax.transfer_guard`` level (e.g. ``"disallow"``) around the device parts (rollout and
-    update dispatch); every transfer there is an explicit ``mwra.put``.
+    update dispatch); every transfer there is an explicit ``mwra.put``. ``on_update(policy, rows, view)``: called
+    with each policy's update inputs before its update is dispatched (e.g. to keep them for a failed update).
     """
     timer, t0 = PhaseTimer(ROUND_PHASES), time.perf_counter()
     guard = (lambda: jax.transfer_guard(device_guard)) if device_guard else nullcontext
@@ -377,7 +381,7 @@ def run_round(policies: Sequence[Policy], state: RunState, inputs: RoundInputs, 
     with timer("stage"):
         staged = [_stage(pol, s, view, keys) for pol, s, view in zip(policies, sampled, views)]
     with timer("update"):
-        new_states, raws, update_stamps = _updates(policies, states, staged, inputs.index, guard, t0)
+        new_states, raws, update_stamps = _updates(policies, states, staged, inputs.index, guard, t0, on_update)
     metrics, samples = {}, []
     for i, (pol, s) in enumerate(zip(policies, sampled)):
         metrics[pol.name] = _policy_metrics(pol, s, raws[i], see_infos[i], thl_metrics[i],

@@ -1,7 +1,7 @@
 """``mrl plan``: a run compiled for a TPU topology from this machine, before any TPU is had.
 
-The run is built abstractly (`Run(abstract=True)`: tiny models from their shapes, checkpoints from their
-``config.json``, no weights), MWRA plans it onto the topology's devices (`mrl_jax.mwra.tpu`), and every
+The run's pieces are built abstractly (`trainer.parts.build_parts(abstract=True)`: tiny models from their shapes,
+checkpoints from their ``config.json``, no weights), MWRA plans it onto the topology's devices (`mrl_jax.mwra.tpu`), and every
 policy's update and sampler are lowered on abstract inputs of the round's shapes and compiled by XLA:TPU
 (libtpu), whose ``memory_analysis()`` gives the exact bytes per chip. Against the chip's HBM each policy gets a
 verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`). The
@@ -36,8 +36,8 @@ from mrl_jax.mwra.allocation import allocations_by_time
 from mrl_jax.mwra.memory_plan import device_use, tree_bytes
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.mwra.cost_model import for_device
-from mrl_jax.trainer.memory import MemoryPlan, compile_plan, prompt_width
-from mrl_jax.trainer.run import Run
+from mrl_jax.trainer.memory import MemoryPlan, compile_plan
+from mrl_jax.trainer.parts import Parts, build_parts
 from mrl_jax.trainer.time_plan import PolicyTime, RoundShape, RoundTime, round_time, scaled_round_seconds
 
 
@@ -143,8 +143,8 @@ def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology",
     topology = resolve_topology(name, key)
     devices = topology.devices()
     limit = topology.hbm_per_device
-    run, memory = _compiled(cfg, devices, limit, topology.name, key)
-    time = _round_time(run, memory, mean_completion)
+    parts, memory = _compiled(cfg, devices, limit, topology.name, key)
+    time = _round_time(parts, memory, mean_completion)
     allocations = ()
     if time is not None and len(cfg.policies) > 1 and all(p.devices is None for p in cfg.policies):
         allocations = _by_time(time, memory, limit, len(devices), mean_completion)
@@ -152,20 +152,20 @@ def plan_for_topology(cfg: RunConfig, name: str, key: str = "--topology",
         if chosen is not None and chosen != tuple(p.shape.devices for p in time.policies):
             sized = dataclasses.replace(cfg, policies=list(dataclasses.replace(p, devices=n)
                                                             for p, n in zip(cfg.policies, chosen)))
-            run, memory = _compiled(sized, devices, limit, topology.name, key)
-            time = _round_time(run, memory, mean_completion)
-    attention = tuple(resolve_attention(p.spec.model.attention, "tpu") for p in run.policies)
-    return TopologyPlan(topology=topology, hbm_per_device=limit, plan=run.placement.plan, memory=memory,
+            parts, memory = _compiled(sized, devices, limit, topology.name, key)
+            time = _round_time(parts, memory, mean_completion)
+    attention = tuple(resolve_attention(p.spec.model.attention, "tpu") for p in parts.policies)
+    return TopologyPlan(topology=topology, hbm_per_device=limit, plan=parts.placement.plan, memory=memory,
                         attention=attention, time=time, allocations=allocations)
 
 
 def _compiled(cfg: RunConfig, devices, limit: int, name: str, key: str) -> tuple:
-    """(the abstract run on ``devices``, its compiled memory plan against ``limit`` bytes per device)."""
-    run = Run(cfg, devices=devices, abstract=True)
-    memory = compile_plan(run, limit, f"{name} HBM")
+    """(the run's abstract pieces on ``devices``, their compiled memory plan against ``limit`` bytes per device)."""
+    parts = build_parts(cfg, devices=devices, abstract=True)
+    memory = compile_plan(parts, limit, f"{name} HBM")
     if memory is None:   # XLA:TPU always reports; kept explicit
         raise ConfigError(f"{key}: the TPU compiler reported no memory analysis for {name}")
-    return run, memory
+    return parts, memory
 
 
 def _by_time(time: RoundTime, memory: MemoryPlan, limit: int, total: int, mean: Optional[float]) -> tuple:
@@ -179,17 +179,17 @@ def _by_time(time: RoundTime, memory: MemoryPlan, limit: int, total: int, mean: 
     return tuple(allocations_by_time(seconds, len(time.policies), total))
 
 
-def round_shape(run: Run, i: int, slots: Optional[int]) -> RoundShape:
+def round_shape(parts: Parts, i: int, slots: Optional[int]) -> RoundShape:
     """Policy i's `RoundShape` from the run's built pieces and the slots S its sampler was compiled at."""
-    pol, mesh = run.policies[i], run.placement.meshes[i]
-    params = run.state_template().policies[i].params
+    pol, mesh = parts.policies[i], parts.placement.meshes[i]
+    params = parts.policy_template(i).params
     config = nnx.merge(pol.graphdef, params).config
-    rows = run.cfg.prompts_per_round * pol.num_generations
+    rows = parts.cfg.prompts_per_round * pol.num_generations
     mb = pol.spec.optimizer.micro_batch_size
     total = int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(params)))
     lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jax.numpy.dtype(config.dtype).itemsize
-    return RoundShape(name=pol.name, devices=int(mesh.devices.size), rows=rows, prompt_width=prompt_width(run, pol),
+    return RoundShape(name=pol.name, devices=int(mesh.devices.size), rows=rows, prompt_width=parts.widths[i],
                       completion_length=pol.max_completion_length, slots=slots or rows,
                       micro_batches=math.ceil(rows / mb) if mb else 1, iterations=pol.spec.grpo.num_iterations,
                       reference_forward=pol.spec.grpo.beta > 0, matmul_params=total - lookup,
@@ -197,16 +197,16 @@ def round_shape(run: Run, i: int, slots: Optional[int]) -> RoundShape:
                       kv_bytes_per_token=int(kv), weight_bytes=tree_bytes(params))
 
 
-def _round_time(run: Run, memory: MemoryPlan, mean: Optional[float]) -> Optional[RoundTime]:
+def _round_time(parts: Parts, memory: MemoryPlan, mean: Optional[float]) -> Optional[RoundTime]:
     """The round's `RoundTime` from the compiled figures' estimates; None where one is missing."""
     out = []
     for i, f in enumerate(memory.figures):
         if f.update.time is None or f.sampler is None or f.sampler.time is None:
             return None
-        chip = for_device(run.placement.meshes[i].devices.flat[0])
-        out.append(PolicyTime(shape=round_shape(run, i, f.slots), chip=chip, update=f.update.time,
+        chip = for_device(parts.placement.meshes[i].devices.flat[0])
+        out.append(PolicyTime(shape=round_shape(parts, i, f.slots), chip=chip, update=f.update.time,
                               sampler=f.sampler.time))
-    return round_time(out, [p.device_ids for p in run.placement.plan.policies], mean)
+    return round_time(out, [p.device_ids for p in parts.placement.plan.policies], mean)
 
 
 __all__ = ["TopologyPlan", "plan_for_topology", "resolve_topology"]
