@@ -121,6 +121,26 @@ def test_constructor_warm_starts_nothing_and_resume_skips_initial_state(tmp_path
     assert counted == [1] and calls == [0.002, 0.002]   # the resume restored onto the template: no warm start
 
 
+def test_a_run_composes_its_built_parts_and_a_policy_is_born_sized():
+    """`build_parts` is a frozen value of the built pieces; `Run` composes it with the memory plan (none on a CPU
+    without memory_gb): each policy born with its slot width (the drawn prompts' `prompt_width`) and the config's
+    slots, its update the pinned one the parts built (never wrapped after)."""
+    from mrl_jax.trainer.parts import build_parts, prompt_width
+
+    cfg = _cfg(**{"policies.1.sampling": {"max_new_tokens": 6, "slots": 4}})
+    parts = build_parts(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.widths = ()
+    drawn = parts.prompts.drawn_texts()
+    assert parts.widths == tuple(prompt_width(drawn, b.tokenizer, b.prompt_format, b.prompt_limit)
+                                 for b in parts.policies)
+    run = Run(cfg)
+    assert run.memory is None and [p.slots for p in run.policies] == [None, 4]
+    assert [p.slot_width for p in run.policies] == list(parts.widths)
+    assert all(p.update is b.update for p, b in zip(run.policies, run.parts.policies))
+    assert jax.tree.structure(run.state_template()) == jax.tree.structure(parts.state_template())
+
+
 def _view_buffer():
     buf = S.init(16, 16, 8, num_policies=2, num_prompts=2, tau=1.0)
     exp = S.make_experience(["ab", "cde"], [0, 0], 1, [1.0, 0.0], src_ids=[[1, 2], [3, 4, 5]],
