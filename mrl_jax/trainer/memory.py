@@ -32,8 +32,8 @@ from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.models.factory import build_model
-from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, devices_needed, gb, largest_fitting, over_limit,
-                                      step_memory, tree_bytes)
+from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, device_use, devices_needed, gb, largest_fitting,
+                                      over_limit, step_memory, tree_bytes)
 from mrl_jax.rollout import bucket_length
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.trainer.encoding import PROMPT_BUCKETS
@@ -327,9 +327,12 @@ def state_fix_line(run, i: int, states: Sequence[PolicyMemory], limit: int, sour
                      "state fits)")
     fixes.append("optimizer.micro_batch_size, model.remat and fewer sampling.slots shrink the steps, not the state: "
                  "not searched")
+    use = device_use([p.device_ids for p in run.placement.plan.policies], states)
+    shared = max(use[d] for d in run.placement.plan.policies[i].device_ids)
+    beside = "" if shared == f.state else f"; with the states of the policies time-sharing its devices {gb(shared)}"
     return (f"config key '{key}': does not fit: its state alone needs {gb(f.state)} per device (params "
-            f"{gb(f.params)} + optimizer {gb(f.optimizer)} + reference {gb(f.reference)}, on {n} device(s)) but the "
-            f"device memory is {gb(limit)} ({source}); no step compiled; fixes: " + "; ".join(fixes))
+            f"{gb(f.params)} + optimizer {gb(f.optimizer)} + reference {gb(f.reference)}, on {n} device(s){beside}) "
+            f"but the device memory is {gb(limit)} ({source}); no step compiled; fixes: " + "; ".join(fixes))
 
 
 def state_shardings(state):
