@@ -193,6 +193,30 @@ def test_time_shared_devices_add_states_and_keep_the_largest_transient():
     assert over_limit([(0,), (1,)], [a, b], 27) == []
 
 
+@pytest.mark.parametrize("update_gb, named", [(0.5, "slots"), (3.0, "fixes")])
+def test_sampling_slots_is_named_only_when_the_state_and_update_fit(monkeypatch, update_gb, named):
+    """No S fits beside the state (`SamplerMisfit`): the plan's line names ``sampling.slots`` when the state and
+    the update fit the device, else it is the update's fixes (`fix_line`). Figures faked: nothing compiled."""
+    run = Run(support.to_run_config(one_policy()), abstract=True)
+    slots = "config key 'policies.llama_bpe.sampling.slots': the sampler does not fit at any S (faked)"
+
+    def sampler(run, pol, mesh, params, Tp, room):
+        raise memory.SamplerMisfit(slots, StepMemory(args=tree_bytes(params), out=0, temp=2 * GIB, alias=0), 1)
+
+    def figure(pol, state, update, inputs, sampler):
+        return PolicyMemory(name=pol.name, params=tree_bytes(state.params), optimizer=tree_bytes(state.opt_state),
+                            reference=0, update=StepMemory(args=tree_bytes(state), out=0, temp=int(update_gb * GIB),
+                                                           alias=0), sampler=sampler)
+
+    monkeypatch.setattr(memory, "_sampler", sampler)
+    monkeypatch.setattr(memory, "_figure", figure)
+    monkeypatch.setattr(memory, "fix_line", lambda *a: "fixes")
+    plan = memory.compile_plan(run, GIB, "faked")
+    assert len(plan.misfits) == 1 and plan.misfits[0].startswith(slots if named == "slots" else "fixes"), plan.misfits
+    if named == "slots":
+        assert plan.misfits[0].endswith("of 1 GiB, faked)") and "the state and the update fit" in plan.misfits[0]
+
+
 def test_largest_fitting_bisects_a_monotone_predicate():
     calls = []
 
