@@ -292,10 +292,14 @@ def test_plan_of_a_state_over_the_chip_is_a_report_with_exit_1(tmp_path, monkeyp
 
     monkeypatch.setattr(tpu.Topology, "devices", lambda self: jax.devices()[:1])
     cfg = _one_policy(tmp_path, **{"policies.0.model": HUGE})
-    rc = main(["plan", "--config", str(cfg), "--topology", "v5e-1"])
+    rc = main(["plan", "--config", str(cfg), "--topology", "v5e-1", "--out", str(tmp_path / "plan")])
     out, err = capsys.readouterr()
     assert rc == 1 and err == "", err
     lines = out.strip().splitlines()
+    assert lines.pop() == f"wrote {tmp_path / 'plan' / 'summary.json'}"
+    summary = json.loads((tmp_path / "plan" / "summary.json").read_text())
+    assert not summary["fits"] and summary["memory"]["policies"]["llama_bpe"]["update"] is None
+    assert summary["memory"]["misfits"] == lines[-1:]
     assert ("  llama_bpe on devices [0]: params 6.91 GiB + optimizer 13.8 GiB + reference 0 B = 20.7 GiB of 16 GiB: "
             "DOES NOT FIT (state alone; no step compiled)") in lines, out
     assert lines[-2:] == [
