@@ -5,9 +5,14 @@ abstract inputs of the round's shapes -- P prompts of the widest train prompt (b
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
 XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
 (`mrl_jax.rollout_slots`: its round's one program) at ``sampling.slots`` when set,
-else at every row when that fits, else at the largest S that does (the plan prints S; none fitting is one
-``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the first
-round loads these programs instead of compiling them again.
+else at every row when that fits, else at the largest S that does (the plan prints S; none fitting, while the
+state and the update fit, is the misfit line naming ``sampling.slots`` and the figure). With the persistent
+compilation cache on, the first round loads these programs instead of compiling them again.
+
+Before any of that, the states (params, optimizer state, reference: abstract shapes, no compile) are checked
+against the limit: where they alone do not fit, nothing is compiled and no sampler searched; the plan holds their
+figures and one line per such policy with the fixes computed from shapes (`state_fix_line`: the devices the states
+need, LoRA's state, the reference dropped).
 
 When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;
 CPU reports none), so a CPU run without ``memory_gb`` compiles nothing extra. A plan that does not fit
