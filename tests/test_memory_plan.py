@@ -57,6 +57,7 @@ class _PlanLines(logging.Handler):
 
 
 def test_plan_progress_lines_on_the_cli_stream():
+    import contextlib
     import io
 
     from mrl_jax.cli import show_plan_progress
@@ -70,6 +71,12 @@ def test_plan_progress_lines_on_the_cli_stream():
         show_plan_progress(out)   # once per process
         logger.info("%s: compiling the update", "a")
         assert out.getvalue() == "mrl plan: [0:00] a: compiling the update\n"
+        logger.handlers = []
+        show_plan_progress()    # stderr: the one of each line's time (a test's capture replaces it per test)
+        for _ in range(2):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                logger.info("b")
+            assert err.getvalue() == "mrl plan: [0:00] b\n"
     finally:
         logger.handlers, logger.level, logger.propagate = before
 
