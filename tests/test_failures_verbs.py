@@ -297,6 +297,8 @@ def test_plan_of_a_state_over_the_chip_is_a_report_with_exit_1(tmp_path, monkeyp
     assert rc == 1 and err == "", err
     lines = out.strip().splitlines()
     assert lines.pop() == f"wrote {tmp_path / 'plan' / 'summary.json'}"
+    assert lines[0].endswith("16 GiB HBM per device; the states checked from their shapes, nothing compiled, nothing "
+                             "allocated)"), lines[0]
     summary = json.loads((tmp_path / "plan" / "summary.json").read_text())
     assert not summary["fits"] and summary["memory"]["policies"]["llama_bpe"]["update"] is None
     assert summary["memory"]["misfits"] == lines[-1:]

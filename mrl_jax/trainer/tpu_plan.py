@@ -64,7 +64,9 @@ class TopologyPlan:
     def __str__(self) -> str:
         t = self.topology
         lines = [f"TPU plan on {t.name} ({t.topology}: {t.chips} chips, {len(t.devices())} devices, "
-                 f"{size(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
+                 f"{size(self.hbm_per_device)} HBM per device; "
+                 + ("compiled by XLA:TPU on this machine" if any(f.update is not None for f in self.memory.figures)
+                    else "the states checked from their shapes, nothing compiled") + ", nothing allocated)",
                  str(self.plan), "per policy, per device of its mesh:"]
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
