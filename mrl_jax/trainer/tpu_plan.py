@@ -64,11 +64,18 @@ class TopologyPlan:
     def __str__(self) -> str:
         t = self.topology
         lines = [f"TPU plan on {t.name} ({t.topology}: {t.chips} chips, {len(t.devices())} devices, "
-                 f"{size(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
+                 f"{size(self.hbm_per_device)} HBM per device; "
+                 + ("compiled by XLA:TPU on this machine" if any(f.update is not None for f in self.memory.figures)
+                    else "the states checked from their shapes, nothing compiled") + ", nothing allocated)",
                  str(self.plan), "per policy, per device of its mesh:"]
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
             verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
+            if f.update is None:   # the state alone does not fit: nothing compiled
+                lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
+                             f"{size(f.optimizer)} + reference {size(f.reference)} = {size(f.state)} of "
+                             f"{size(self.hbm_per_device)}: {verdict} (state alone; no step compiled)")
+                continue
             smp = "-" if f.sampler is None else _peak(f.sampler) + ("" if f.slots is None else f" at S = {f.slots} slots")
             lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
                          f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {_peak(f.update)}; "
@@ -201,7 +208,7 @@ def _round_time(run: Run, memory: MemoryPlan, mean: Optional[float]) -> Optional
     """The round's `RoundTime` from the compiled figures' estimates; None where one is missing."""
     out = []
     for i, f in enumerate(memory.figures):
-        if f.update.time is None or f.sampler is None or f.sampler.time is None:
+        if f.update is None or f.update.time is None or f.sampler is None or f.sampler.time is None:
             return None
         chip = for_device(run.placement.meshes[i].devices.flat[0])
         out.append(PolicyTime(shape=round_shape(run, i, f.slots), chip=chip, update=f.update.time,
