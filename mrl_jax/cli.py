@@ -180,7 +180,12 @@ def show_plan_progress(stream=None) -> None:
     logger = logging.getLogger("mrl_jax.plan")
     if any(getattr(h, "mrl_plan", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(stream or sys.stderr)
+    class Current(logging.StreamHandler):
+        def emit(self, record):
+            self.stream = stream or sys.stderr   # stderr as it is now (a test's capture replaces it per test)
+            super().emit(record)
+
+    handler = Current(stream or sys.stderr)
     handler.setFormatter(Elapsed())
     handler.mrl_plan = True
     logger.addHandler(handler)

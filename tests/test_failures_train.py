@@ -20,8 +20,7 @@ pytestmark = pytest.mark.usefixtures("jax_compile_cache")
 
 def _set(**overrides):
     def edit(cfg, tmp):
-        for key, value in overrides.items():
-            cfg.update(support.tiny_config(**{key: value}) if "." in key else {key: value})
+        cfg.update(support.tiny_config(**overrides))   # every override at once (dotted keys: into one policy)
     return edit
 
 
@@ -59,6 +58,17 @@ START = [
                                                      {"function": "tests.probe_fixtures_broken:score"}]), 2,
      "mrl train: config error: {cfg}: config key 'rewards[1].function': cannot import 'tests.probe_fixtures_broken' "
      "(RuntimeError: this module is broken on import); put it on PYTHONPATH or install it"),
+    ("ladder_ratio_without_the_ladder", _set(**{"policies.0.sampling.ladder": False,
+                                                "policies.0.sampling.ladder_ratio": 0.5}), 2,
+     "mrl train: config error: {cfg}: config key 'policies[0].sampling.ladder_ratio': 0.5 shapes the ladder, which "
+     "ladder: false turns off (S slots to the end); drop ladder_ratio, or drop ladder: false"),
+    ("ladder_floor_without_the_ladder", _set(**{"policies.0.sampling.ladder": False,
+                                                "policies.0.sampling.ladder_floor": 2}), 2,
+     "mrl train: config error: {cfg}: config key 'policies[0].sampling.ladder_floor': 2 shapes the ladder, which "
+     "ladder: false turns off (S slots to the end); drop ladder_floor, or drop ladder: false"),
+    ("ladder_floor_above_slots", _set(**{"policies.0.sampling.slots": 8, "policies.0.sampling.ladder_floor": 12}), 2,
+     "mrl train: config error: {cfg}: config key 'policies[0].sampling.ladder_floor': 12 is not below slots: 8, so "
+     "the ladder has no rung below S; give a ladder_floor below 8, or set ladder: false"),
     ("reward_batch_size_zero", _set(rewards=[{"builtin": "accuracy"},
                                              {"function": "tests.reward_fixtures:length_bonus", "batch_size": 0}]), 2,
      "mrl train: config error: {cfg}: config key 'rewards[1].batch_size': 0 is not a whole number >= 1; give batch_size: "

@@ -267,3 +267,61 @@ def test_a_failure_is_one_line(finished, tmp_path, holders, capsys, case, setup,
     expected = line.format(tmp=tmp_path, run=tmp_path / "run", pid=getattr(holders, "pid", None), names=_names())
     assert rc == code and "Traceback" not in err, err
     assert err.strip().splitlines() == [expected], err
+
+
+# --------------------------------------------------------------------------- a misfit is a report
+HUGE = {"family": "llama", "hidden_size": 8192, "num_layers": 12, "num_heads": 64, "num_kv_heads": 8}   # 1.8B params
+
+
+def _one_policy(root: Path, **overrides) -> Path:
+    cfg = support.tiny_config(**overrides)
+    cfg["policies"] = cfg["policies"][:1]
+    path = root / "one.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_plan_of_a_state_over_the_chip_is_a_report_with_exit_1(tmp_path, monkeypatch, capsys):
+    """`mrl plan` of a policy whose params and optimizer state alone overflow the chip: exit 1, the figures per
+    chip, the verdict and the fixes searched, from abstract shapes before any sampler search (nothing compiled: no
+    compile line on stderr), not a config error naming ``sampling.slots``. The slice is v5e-1 laid out on this
+    machine's CPU device (libtpu's layout is tests/test_tpu_compile.py's)."""
+    import jax
+
+    from mrl_jax.mwra import tpu
+
+    monkeypatch.setattr(tpu.Topology, "devices", lambda self: jax.devices()[:1])
+    cfg = _one_policy(tmp_path, **{"policies.0.model": HUGE})
+    rc = main(["plan", "--config", str(cfg), "--topology", "v5e-1", "--out", str(tmp_path / "plan")])
+    out, err = capsys.readouterr()
+    assert rc == 1 and err == "", err
+    lines = out.strip().splitlines()
+    assert lines.pop() == f"wrote {tmp_path / 'plan' / 'summary.json'}"
+    assert lines[0].endswith("16 GiB HBM per device; the states checked from their shapes, nothing compiled, nothing "
+                             "allocated)"), lines[0]
+    summary = json.loads((tmp_path / "plan" / "summary.json").read_text())
+    assert not summary["fits"] and summary["memory"]["policies"]["llama_bpe"]["update"] is None
+    assert summary["memory"]["misfits"] == lines[-1:]
+    assert ("  llama_bpe on devices [0]: params 6.91 GiB + optimizer 13.8 GiB + reference 0 B = 20.7 GiB of 16 GiB: "
+            "DOES NOT FIT (state alone; no step compiled)") in lines, out
+    assert lines[-2:] == [
+        "verdict: does not fit",
+        "config key 'policies.llama_bpe': does not fit: its state alone needs 20.7 GiB per device (params 6.91 GiB + "
+        "optimizer 13.8 GiB + reference 0 GiB, on 1 device(s)) but the device memory is 16 GiB (v5e-1 HBM); no step "
+        "compiled; fixes: more chips: the states alone need 2 or more devices at FSDP (has 1); lora.rank: 16: state "
+        "7.07 GiB per device (fits; its steps are compiled once the state fits); optimizer.micro_batch_size, "
+        "model.remat and fewer sampling.slots shrink the steps, not the state: not searched"], out
+
+
+def test_train_of_a_state_over_memory_gb_is_one_line_per_policy(tmp_path, capsys):
+    """The same check in `mrl train` (``mwra.memory_gb``, CPU): exit 2 before any compile, the state's line."""
+    cfg = _one_policy(tmp_path, **{"mwra.memory_gb": 0.0001})
+    rc = main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        "mrl train: config error: config key 'policies.llama_bpe': does not fit: its state alone needs 0.000359 GiB "
+        "per device (params 0.00012 GiB + optimizer 0.00024 GiB + reference 0 GiB, on 1 device(s)) but the device "
+        "memory is 0.0001 GiB (mwra.memory_gb); no step compiled; fixes: more chips: the states alone need 4 or more "
+        "devices at FSDP (has 1); lora.rank: 16: state 0.000246 GiB per device (does not fit; its steps are compiled "
+        "once the state fits); optimizer.micro_batch_size, model.remat and fewer sampling.slots shrink the steps, "
+        "not the state: not searched"], err

@@ -57,6 +57,7 @@ class _PlanLines(logging.Handler):
 
 
 def test_plan_progress_lines_on_the_cli_stream():
+    import contextlib
     import io
 
     from mrl_jax.cli import show_plan_progress
@@ -70,6 +71,12 @@ def test_plan_progress_lines_on_the_cli_stream():
         show_plan_progress(out)   # once per process
         logger.info("%s: compiling the update", "a")
         assert out.getvalue() == "mrl plan: [0:00] a: compiling the update\n"
+        logger.handlers = []
+        show_plan_progress()    # stderr: the one of each line's time (a test's capture replaces it per test)
+        for _ in range(2):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                logger.info("b")
+            assert err.getvalue() == "mrl plan: [0:00] b\n"
     finally:
         logger.handlers, logger.level, logger.propagate = before
 
@@ -198,6 +205,32 @@ def test_time_shared_devices_add_states_and_keep_the_largest_transient():
     assert use == {0: 10 + 20 + 7, 1: 27}
     assert over_limit([(0,), (0, 1)], [a, b], 36) == [0, 1]
     assert over_limit([(0,), (1,)], [a, b], 27) == []
+
+
+@pytest.mark.parametrize("update_gb, named", [(0.5, "slots"), (3.0, "fixes")])
+def test_sampling_slots_is_named_only_when_the_state_and_update_fit(monkeypatch, update_gb, named):
+    """No S fits beside the state (`SamplerMisfit`): the plan's line names ``sampling.slots`` when the state and
+    the update fit the device, else it is the update's fixes (`fix_line`). Figures faked: nothing compiled."""
+    from mrl_jax.trainer.parts import build_parts
+
+    parts = build_parts(support.to_run_config(one_policy()), abstract=True)
+    slots = "config key 'policies.llama_bpe.sampling.slots': the sampler does not fit at any S (faked)"
+
+    def sampler(parts, pol, mesh, params, Tp, room):
+        raise memory.SamplerMisfit(slots, StepMemory(args=tree_bytes(params), out=0, temp=2 * GIB, alias=0), 1)
+
+    def figure(pol, state, update, inputs, sampler):
+        return PolicyMemory(name=pol.name, params=tree_bytes(state.params), optimizer=tree_bytes(state.opt_state),
+                            reference=0, update=StepMemory(args=tree_bytes(state), out=0, temp=int(update_gb * GIB),
+                                                           alias=0), sampler=sampler)
+
+    monkeypatch.setattr(memory, "_sampler", sampler)
+    monkeypatch.setattr(memory, "_figure", figure)
+    monkeypatch.setattr(memory, "fix_line", lambda *a: "fixes")
+    plan = memory.compile_plan(parts, GIB, "faked")
+    assert len(plan.misfits) == 1 and plan.misfits[0].startswith(slots if named == "slots" else "fixes"), plan.misfits
+    if named == "slots":
+        assert plan.misfits[0].endswith("of 1 GiB, faked)") and "the state and the update fit" in plan.misfits[0]
 
 
 def test_largest_fitting_bisects_a_monotone_predicate():

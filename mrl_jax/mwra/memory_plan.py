@@ -124,13 +124,14 @@ def tree_bytes(tree) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyMemory:
-    """One policy's per-device bytes on its mesh: resident state and its steps' compiled figures."""
+    """One policy's per-device bytes on its mesh: resident state and its steps' compiled figures (``update`` None:
+    no step compiled, the state alone did not fit)."""
 
     name: str
     params: int
     optimizer: int
     reference: int
-    update: StepMemory
+    update: Optional[StepMemory]
     sampler: Optional[StepMemory] = None
     slots: Optional[int] = None   # the sampler's decode slots S the figure was compiled at
 
@@ -143,7 +144,7 @@ class PolicyMemory:
     def transient(self) -> int:
         """What a step adds to the resident state at its peak (the larger of update and sampler; the update's
         arguments hold the whole state, reference included)."""
-        upd = self.update.peak - self.params - self.optimizer - self.reference
+        upd = 0 if self.update is None else self.update.peak - self.params - self.optimizer - self.reference
         smp = 0 if self.sampler is None else self.sampler.peak - self.params
         return max(upd, smp, 0)
 
@@ -154,7 +155,7 @@ class PolicyMemory:
 
     def to_dict(self) -> dict:
         out = {"params_bytes": self.params, "optimizer_bytes": self.optimizer, "reference_bytes": self.reference,
-               "update": self.update.figures(), "total_bytes": self.total}
+               "update": None if self.update is None else self.update.figures(), "total_bytes": self.total}
         if self.sampler is not None:
             out["sampler"] = self.sampler.figures()
         if self.slots is not None:
@@ -163,8 +164,10 @@ class PolicyMemory:
 
     def line(self) -> str:
         """``name: params X + optimizer X + reference X; update temporaries X (peak X); sampler ...; total X``."""
-        s = (f"{self.name}: params {gb(self.params)} + optimizer {gb(self.optimizer)} + reference "
-             f"{gb(self.reference)}; update temporaries {gb(self.update.temp)} (step peak {gb(self.update.peak)})")
+        s = f"{self.name}: params {gb(self.params)} + optimizer {gb(self.optimizer)} + reference {gb(self.reference)}"
+        if self.update is None:
+            return s + f"; total {gb(self.total)} per device, no step compiled"
+        s += f"; update temporaries {gb(self.update.temp)} (step peak {gb(self.update.peak)})"
         if self.sampler is not None:
             at = "" if self.slots is None else f" at S = {self.slots} slots"
             s += f"; sampler{at} temporaries (KV cache included) {gb(self.sampler.temp)}"

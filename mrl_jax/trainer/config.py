@@ -15,7 +15,7 @@ from mrl_jax.grpo import normalize_scale
 from mrl_jax.learner import GRPOConfig, make_optimizer
 from mrl_jax.sampling import SamplingConfig
 from mrl_jax.see import ViewShape
-from mrl_jax.slot_ladder import Ladder
+from mrl_jax.slot_ladder import FLOOR, Ladder
 from mrl_jax.probes import RunOptions, make_probe
 from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
 from mrl_jax.trainer.task_spec import TaskSpec
@@ -86,7 +86,7 @@ class SamplingSpec:
                                                      "(0, 1); finer rungs take fewer row-steps and compile a decode "
                                                      "loop each: 0.9 to floor 1 takes 30 rungs from 128 slots); "
                                                      "None = the default ladder")
-    ladder_floor: int = field(8, help="the ladder's last rung holds at least this many slots")
+    ladder_floor: int = field(FLOOR, help="the ladder's last rung holds at least this many slots")
 
     def __post_init__(self):
         check(self.slots is None or self.slots >= 1, "slots",
@@ -95,6 +95,16 @@ class SamplingSpec:
         check(self.ladder_ratio is None or 0 < self.ladder_ratio < 1, "ladder_ratio",
               f"must be in (0, 1) (or unset: the default ladder), got {self.ladder_ratio}")
         check(self.ladder_floor >= 1, "ladder_floor", f"must be >= 1, got {self.ladder_floor}")
+        # inert settings are errors: a ladder key that shapes no rung would be ignored without a word
+        check(self.ladder or self.ladder_ratio is None, "ladder_ratio",
+              f"{self.ladder_ratio} shapes the ladder, which ladder: false turns off (S slots to the end); drop "
+              "ladder_ratio, or drop ladder: false")
+        check(self.ladder or self.ladder_floor == FLOOR, "ladder_floor",
+              f"{self.ladder_floor} shapes the ladder, which ladder: false turns off (S slots to the end); drop "
+              "ladder_floor, or drop ladder: false")
+        check(self.slots is None or self.ladder_floor == FLOOR or self.ladder_floor < self.slots, "ladder_floor",
+              f"{self.ladder_floor} is not below slots: {self.slots}, so the ladder has no rung below S; give a "
+              f"ladder_floor below {self.slots}, or set ladder: false")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

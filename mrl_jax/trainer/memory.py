@@ -5,9 +5,14 @@ abstract inputs of the round's shapes -- P prompts of the widest train prompt (b
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
 XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
 (`mrl_jax.rollout_slots`: its round's one program) at ``sampling.slots`` when set,
-else at every row when that fits, else at the largest S that does (the plan prints S; none fitting is one
-``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the first
-round loads these programs instead of compiling them again.
+else at every row when that fits, else at the largest S that does (the plan prints S; none fitting, while the
+state and the update fit, is the misfit line naming ``sampling.slots`` and the figure). With the persistent
+compilation cache on, the first round loads these programs instead of compiling them again.
+
+Before any of that, the states (params, optimizer state, reference: abstract shapes, no compile) are checked
+against the limit: where they alone do not fit, nothing is compiled and no sampler searched; the plan holds their
+figures and one line per such policy with the fixes computed from shapes (`state_fix_line`: the devices the states
+need, LoRA's state, the reference dropped).
 
 When it runs: only where a per-device limit is known (``mwra.memory_gb``, else the bytes the devices report;
 CPU reports none), so a CPU run without ``memory_gb`` compiles nothing extra. A plan that does not fit
@@ -32,8 +37,8 @@ from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.models.factory import build_model
-from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, devices_needed, gb, largest_fitting, over_limit,
-                                      step_memory, tree_bytes)
+from mrl_jax.mwra.memory_plan import (PolicyMemory, compiled_memory, device_use, devices_needed, gb, largest_fitting,
+                                      over_limit, step_memory, tree_bytes)
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.trainer.placement import device_memory_bytes, pad_rows, pin_update
 from mrl_jax.trainer.config import LORA_DEFAULT_TARGETS
@@ -118,11 +123,19 @@ def padded_prompts(parts, devices: int) -> int:
     return pad_rows(parts.cfg.prompts_per_round, devices)
 
 
+class SamplerMisfit(ConfigError):
+    """No S fits beside the state: ``figure`` is the sampler's at the smallest S (``slots``)."""
+
+    def __init__(self, message: str, figure, slots: int):
+        super().__init__(message)
+        self.figure, self.slots = figure, slots
+
+
 def _sampler(parts, pol, mesh, params, Tp: int, room: Optional[int] = None):
     """(the sampler's figure, S): at ``sampling.slots`` when set, else at every row (P x G) when its transient fits
     in ``room`` bytes (None: unchecked), else at the largest S that does (over multiples of the data axis, starting
     where the peak's line through S = d and S = P x G meets the room); ConfigError naming the figure at the
-    smallest S when none does."""
+    smallest S when none does (`SamplerMisfit`)."""
     d = int(mesh.devices.size)
     P = padded_prompts(parts, d)
     B = P * pol.num_generations
@@ -145,9 +158,9 @@ def _sampler(parts, pol, mesh, params, Tp: int, room: Optional[int] = None):
     best = largest_fitting(range(d, B, d), fits, guess=_linear_guess(fig(d), fig(B), d, B, room + tree_bytes(params))
                            if fits(d) else None)
     if best is None:
-        raise ConfigError(f"config key 'policies.{pol.name}.sampling.slots': the sampler does not fit at any S "
-                          f"(at S = {d}: {gb(fig(d).peak - tree_bytes(params))} beside the state, room "
-                          f"{gb(room)} per device)")
+        raise SamplerMisfit(f"config key 'policies.{pol.name}.sampling.slots': the sampler does not fit at any S "
+                            f"(at S = {d}: {gb(fig(d).peak - tree_bytes(params))} beside the state, room "
+                            f"{gb(room)} per device)", fig(d), d)
     return fig(best), best
 
 
@@ -188,15 +201,31 @@ def plan_memory(parts, devices: Optional[Sequence] = None) -> Optional[MemoryPla
 def compile_plan(parts, limit: int, source: str) -> Optional[MemoryPlan]:
     """Every policy of ``parts`` (`trainer.parts.Parts`) with its update and sampler compiled on its mesh
     (abstract inputs, prompts of its slot width) and checked against ``limit`` bytes per device; the fixes
-    computed for each policy that does not fit. None where the backend reports no memory analysis."""
+    computed for each policy that does not fit. First the states alone (params, optimizer, reference: abstract
+    shapes, nothing compiled): where they do not fit, the plan is their figures and `state_fix_line`s, no step
+    compiled and no sampler searched. ``sampling.slots`` is named only where the state and the update fit and the
+    sampler fits at no S. None where the backend reports no memory analysis."""
     template = [parts.policy_template(i) for i in range(len(parts.policies))]
-    figures, ctx, seconds = [], [], []
+    groups = [p.device_ids for p in parts.placement.plan.policies]
+    states = [PolicyMemory(name=pol.name, params=tree_bytes(s.params), optimizer=tree_bytes(s.opt_state),
+                           reference=tree_bytes(s.ref_params), update=None)
+              for pol, s in zip(parts.policies, template)]
+    crowded = over_limit(groups, states, limit)
+    if crowded:
+        return MemoryPlan(figures=tuple(states), limit=limit, source=source, compile_seconds=tuple({} for _ in states),
+                          misfits=tuple(state_fix_line(parts, i, states, limit, source) for i in crowded))
+    figures, ctx, seconds, no_slots = [], [], [], []
     for i, pol in enumerate(parts.policies):
         mesh, Tp = parts.placement.meshes[i], parts.widths[i]
         inputs = _update_inputs(parts, pol, mesh, Tp)
         state = template[i]
         t0 = time.perf_counter()
-        sampler, slots = _sampler(parts, pol, mesh, state.params, Tp, limit - tree_bytes(state))
+        try:
+            sampler, slots = _sampler(parts, pol, mesh, state.params, Tp, limit - tree_bytes(state))
+            no_slots.append(None)
+        except SamplerMisfit as e:   # reported below: named only if the update fits
+            sampler, slots = e.figure, e.slots
+            no_slots.append(str(e))
         t1 = time.perf_counter()
         log.info("%s: compiling the update (%s)", pol.name, _micro_batch_text(pol.spec.optimizer.micro_batch_size))
         f = _figure(pol, state, pol.update, inputs, sampler)
@@ -205,9 +234,12 @@ def compile_plan(parts, limit: int, source: str) -> Optional[MemoryPlan]:
         seconds.append({"sampler": t1 - t0, "update": time.perf_counter() - t1})
         figures.append(dataclasses.replace(f, slots=slots))
         ctx.append((mesh, inputs, sampler))
-    groups = [p.device_ids for p in parts.placement.plan.policies]
     bad = over_limit(groups, figures, limit)
-    lines = tuple(fix_line(parts, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
+    stepped = over_limit(groups, [dataclasses.replace(f, sampler=None) for f in figures], limit)   # without samplers
+    lines = tuple(no_slots[i] + f"; the state and the update fit ({gb(figures[i].state)} + "
+                  f"{gb(dataclasses.replace(figures[i], sampler=None).transient)} of {gb(limit)}, {source})"
+                  if no_slots[i] and i not in stepped else
+                  fix_line(parts, i, figures, groups, limit, source, *ctx[i], template[i]) for i in bad)
     return MemoryPlan(figures=tuple(figures), limit=limit, source=source, misfits=lines,
                       compile_seconds=tuple(seconds))
 
@@ -247,11 +279,15 @@ def fix_line(parts, i: int, figures: Sequence[PolicyMemory], groups, limit: int,
         return f is not None and i not in over_limit(groups, [*figures[:i], f, *figures[i + 1:]], limit)
 
     upd = fig.update.peak - fig.params - fig.optimizer
-    if fig.sampler is not None and fig.sampler.peak - fig.params >= upd:   # a smaller micro-batch shrinks the update only
+    d = int(mesh.devices.size)
+    if fig.sampler is not None and fig.sampler.peak - fig.params >= upd and (fig.slots or 0) > d:
+        # a smaller micro-batch shrinks the update only
         fixes = [f"the sampler is the peak ({gb(fig.sampler.peak)}): fewer {key}.sampling.slots (now {fig.slots})"]
     else:
         best = largest_fitting([m for m in micro_batch_candidates(rows, pol.num_generations) if m < mb_now], fits_at)
-        fixes = [f"set {key}.optimizer.micro_batch_size: {best} (compiled: {gb(seen[best].total)})" if best else
+        fixes = [] if fig.sampler is None or fig.sampler.peak - fig.params < upd else [
+            f"no smaller S (the sampler at S = {fig.slots}, the smallest, is the peak: {gb(fig.sampler.peak)})"]
+        fixes += [f"set {key}.optimizer.micro_batch_size: {best} (compiled: {gb(seen[best].total)})" if best else
                  "no micro_batch_size fits (smallest compiled: "
                  f"{gb(min(f.total for f in seen.values() if f is not None))})"]
     smallest = min((f for f in seen.values() if f is not None), key=lambda f: f.transient)
@@ -261,6 +297,37 @@ def fix_line(parts, i: int, figures: Sequence[PolicyMemory], groups, limit: int,
     fixes.extend(_model_fixes(parts, i, limit, mesh, inputs, sampler, mb_now))
     return (f"config key '{key}': needs {gb(fig.total)} per device ({fig.line()}) but the device memory is "
             f"{gb(limit)} ({source}); fixes: " + "; ".join(fixes))
+
+
+def state_fix_line(parts, i: int, states: Sequence[PolicyMemory], limit: int, source: str) -> str:
+    """One line: policy i's state alone (``states[i]``: params, optimizer, reference per device, no step compiled)
+    over ``limit``, the verdict and the fixes, from abstract shapes (nothing compiled): the chips the states alone
+    need at FSDP (a larger share of these devices: ``policies.<p>.devices``; or more chips), LoRA's state, the
+    reference dropped; micro-batch, remat and a smaller S shrink the steps only."""
+    pol, f, mesh = parts.policies[i], states[i], parts.placement.meshes[i]
+    key, n, total = f"policies.{pol.name}", int(mesh.devices.size), parts.placement.plan.num_devices
+    need = [devices_needed(s.state, int(m.devices.size), 0, limit) for s, m in zip(states, parts.placement.meshes)]
+    if sum(need) <= total:
+        fixes = [f"give it {need[i]} or more of the {total} devices (has {n}; {key}.devices; the others' states fit "
+                 f"on the rest)"]
+    else:
+        fixes = [f"more chips: the states alone need {sum(need)} or more devices at FSDP (has {total})"]
+    if f.reference:
+        fixes.append(f"grpo.beta: 0 drops the reference ({gb(f.state - f.reference)} left)")
+    config = getattr(nnx.merge(pol.graphdef, parts.policy_template(i).params), "config", None)
+    if not pol.spec.lora.rank and config is not None:
+        lora = _rebuilt_state(parts, i, config, True, mesh)[1]
+        fixes.append(f"lora.rank: {LORA_RANK}: state {gb(tree_bytes(lora))} per device "
+                     f"({'fits' if tree_bytes(lora) <= limit else 'does not fit'}; its steps are compiled once the "
+                     "state fits)")
+    fixes.append("optimizer.micro_batch_size, model.remat and fewer sampling.slots shrink the steps, not the state: "
+                 "not searched")
+    use = device_use([p.device_ids for p in parts.placement.plan.policies], states)
+    shared = max(use[d] for d in parts.placement.plan.policies[i].device_ids)
+    beside = "" if shared == f.state else f"; with the states of the policies time-sharing its devices {gb(shared)}"
+    return (f"config key '{key}': does not fit: its state alone needs {gb(f.state)} per device (params "
+            f"{gb(f.params)} + optimizer {gb(f.optimizer)} + reference {gb(f.reference)}, on {n} device(s){beside}) "
+            f"but the device memory is {gb(limit)} ({source}); no step compiled; fixes: " + "; ".join(fixes))
 
 
 def state_shardings(state):
@@ -305,6 +372,16 @@ def _rebuilt(parts, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) 
     `_abstract`), at micro-batch ``mb``: optimizer over the trainable leaves, no reference params for LoRA
     (its reference is the base with adapters off)."""
     pol = parts.policies[i]
+    model, state = _rebuilt_state(parts, i, config, lora, mesh)
+    make = update_factory(model, lora, pol.optimizer, pol.probe,
+                          pol.spec.grpo.resolved(pol.num_generations, pol.max_completion_length,
+                                                 pol.sampling.temperature), pol.spec)
+    return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
+
+
+def _rebuilt_state(parts, i: int, config, lora: bool, mesh):
+    """(the abstract model, its state placed on ``mesh``) of policy i rebuilt from model ``config`` (`_rebuilt`)."""
+    pol = parts.policies[i]
     model = _abstract(pol.spec, config, lora)
     params = nnx.state(model)
     trainable = lora_lib.split_adapters(params)[0] if lora else params
@@ -313,12 +390,8 @@ def _rebuilt(parts, i: int, config, lora: bool, mesh, inputs, sampler, mb: int) 
     os = mwra.opt_state_shardings(opt_state, ps, mesh)
     put = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)  # noqa
     ref = None if lora or pol.spec.grpo.beta == 0 else put(params, ps)
-    state = PolicyState(params=put(params, ps), opt_state=put(opt_state, os), ref_params=ref)
-    make = update_factory(model, lora, pol.optimizer, pol.probe,
-                          pol.spec.grpo.resolved(pol.num_generations, pol.max_completion_length,
-                                                 pol.sampling.temperature), pol.spec)
-    return _figure(pol, state, pin_update(make(mb), mesh, state_shardings(state)), inputs, sampler)
+    return model, PolicyState(params=put(params, ps), opt_state=put(opt_state, os), ref_params=ref)
 
 
-__all__ = ["LORA_RANK", "MemoryPlan", "abstract_rows", "compile_plan", "fix_line", "micro_batch_candidates", "placed",
-           "plan_memory"]
+__all__ = ["LORA_RANK", "MemoryPlan", "SamplerMisfit", "abstract_rows", "compile_plan", "fix_line",
+           "micro_batch_candidates", "placed", "plan_memory", "state_fix_line"]

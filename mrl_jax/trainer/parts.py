@@ -30,7 +30,8 @@ from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.encoding import PROMPT_BUCKETS
 from mrl_jax.trainer.placement import Placement, make_placement
-from mrl_jax.trainer.policy import BuiltPolicy, add_lora, build_model, build_policy, build_prompt_format, build_tokenizer
+from mrl_jax.trainer.policy import (BuiltPolicy, add_lora, build_model, build_policy, build_prompt_format,
+                                    build_tokenizer)
 from mrl_jax.trainer.round import RunState
 
 

@@ -1,6 +1,7 @@
 """A run: its built pieces (`trainer.parts.Parts`: task, prompts length-fitted, the device plan), their memory
-plan, one ``Policy`` record per policy born with its sampler sized; and the arrays it starts from (``Run.initial_state``), kept out of the constructor so a resumed run never
-warm-starts: it restores onto ``Run.state_template()``, shapes and shardings only.
+plan, one ``Policy`` record per policy born with its sampler sized; and the arrays it starts from
+(``Run.initial_state``), kept out of the constructor so a resumed run never warm-starts: it restores onto
+``Run.state_template()``, shapes and shardings only.
 
 Determinism: the prompts and RNG key of round ``r`` (``Run.round_inputs``) depend only on ``(seed, r)``, so a
 run resumed from the checkpoint of round ``r`` continues exactly as an uninterrupted one would.

@@ -1,13 +1,13 @@
 """``mrl plan``: a run compiled for a TPU topology from this machine, before any TPU is had.
 
-The run's pieces are built abstractly (`trainer.parts.build_parts(abstract=True)`: tiny models from their shapes,
-checkpoints from their ``config.json``, no weights), MWRA plans it onto the topology's devices (`mrl_jax.mwra.tpu`), and every
-policy's update and sampler are lowered on abstract inputs of the round's shapes and compiled by XLA:TPU
-(libtpu), whose ``memory_analysis()`` gives the exact bytes per chip. Against the chip's HBM each policy gets a
-verdict and, when it does not fit, the memory plan's computed fixes (`mrl_jax.trainer.memory.compile_plan`). The
-same compile prices every program (`mrl_jax.mwra.cost_model`): each policy's update, prefill and decode step, the
-round's time at the configured completion length and at a given mean, MFU and the idle fraction per sub-mesh
-(`mrl_jax.trainer.time_plan`) -- XLA:TPU's estimate, never a measurement.
+The run's pieces are built abstractly (`trainer.parts.build_parts(abstract=True)`: tiny models from their
+shapes, checkpoints from their ``config.json``, no weights), MWRA plans them onto the topology's devices
+(`mrl_jax.mwra.tpu`), and every policy's update and sampler are lowered on abstract inputs of the round's shapes
+and compiled by XLA:TPU (libtpu), whose ``memory_analysis()`` gives the exact bytes per chip. Against the chip's
+HBM each policy gets a verdict and, when it does not fit, the memory plan's computed fixes
+(`mrl_jax.trainer.memory.compile_plan`). The same compile prices every program (`mrl_jax.mwra.cost_model`): each
+policy's update, prefill and decode step, the round's time at the configured completion length and at a given
+mean, MFU and the idle fraction per sub-mesh (`mrl_jax.trainer.time_plan`) -- XLA:TPU's estimate, never a measurement.
 
 On a TPU topology ``model.attention: auto`` is the Pallas splash kernel (`mrl_jax.models.splash`) for the
 update's attention (the prompt-once-per-group layout and causal rows) and the sampler's prefill, and the Pallas
@@ -64,11 +64,18 @@ class TopologyPlan:
     def __str__(self) -> str:
         t = self.topology
         lines = [f"TPU plan on {t.name} ({t.topology}: {t.chips} chips, {len(t.devices())} devices, "
-                 f"{size(self.hbm_per_device)} HBM per device; compiled by XLA:TPU on this machine, nothing allocated)",
+                 f"{size(self.hbm_per_device)} HBM per device; "
+                 + ("compiled by XLA:TPU on this machine" if any(f.update is not None for f in self.memory.figures)
+                    else "the states checked from their shapes, nothing compiled") + ", nothing allocated)",
                  str(self.plan), "per policy, per device of its mesh:"]
         for p, f, att, secs in zip(self.plan.policies, self.memory.figures, self.attention,
                                    self.memory.compile_seconds):
             verdict = "fits" if f.total <= self.hbm_per_device else "DOES NOT FIT"
+            if f.update is None:   # the state alone does not fit: nothing compiled
+                lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
+                             f"{size(f.optimizer)} + reference {size(f.reference)} = {size(f.state)} of "
+                             f"{size(self.hbm_per_device)}: {verdict} (state alone; no step compiled)")
+                continue
             smp = "-" if f.sampler is None else _peak(f.sampler) + ("" if f.slots is None else f" at S = {f.slots} slots")
             lines.append(f"  {f.name} on devices {list(p.device_ids)}: params {size(f.params)} + optimizer "
                          f"{size(f.optimizer)} + reference {size(f.reference)}; update peak {_peak(f.update)}; "
@@ -201,7 +208,7 @@ def _round_time(parts: Parts, memory: MemoryPlan, mean: Optional[float]) -> Opti
     """The round's `RoundTime` from the compiled figures' estimates; None where one is missing."""
     out = []
     for i, f in enumerate(memory.figures):
-        if f.update.time is None or f.sampler is None or f.sampler.time is None:
+        if f.update is None or f.update.time is None or f.sampler is None or f.sampler.time is None:
             return None
         chip = for_device(parts.placement.meshes[i].devices.flat[0])
         out.append(PolicyTime(shape=round_shape(parts, i, f.slots), chip=chip, update=f.update.time,
