@@ -78,11 +78,15 @@ def shared_tokenizers_dir() -> Path:
 @pytest.fixture(scope="session")
 def fresh_clone(tmp_path_factory):
     """This checkout as a user's fresh clone, installed as the README installs it (tests/installs.py): run a
-    documented command with ``fresh_clone.run("mrl demo --quick --out runs/demo")``."""
+    documented command with ``fresh_clone.run("mrl demo --quick --out runs/demo")``. Its commands use the run's
+    compilation cache (`support.compile_cache_dir`): they load what other tests' processes compiled (the same
+    programs: JAX's cache key drops source locations, so a clone's programs are the checkout's)."""
+    import support
     from installs import FreshClone, clean_clone
 
     base = tmp_path_factory.mktemp("fresh")
-    return FreshClone(clean_clone(REPO, base / "clone"), base)
+    cache = support.compile_cache_dir()
+    return FreshClone(clean_clone(REPO, base / "clone"), base, cache=None if cache is None else Path(cache))
 
 
 @pytest.fixture(autouse=True)

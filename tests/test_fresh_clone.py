@@ -19,7 +19,11 @@ BANDIT_YAML = "python experiments/bandit/run_analysis.py --config runs/tiny_lab.
 TINY_LAB = "probes: [none, sgt]\ngroup_sizes: [4]\nsigmas: [1.0]\nsteps: 10\nseeds: 2\nrecord_every: 5\n"
 VARIANTS = "python experiments/bandit/variants.py --quick --out runs/variants"
 FAMILY_MODELS = "python experiments/family_models.py runs/family_models"
-FAMILIES = "mrl train --config experiments/configs/families.yaml --out runs/families"
+# families.yaml as written but 2 rounds, a checkpoint and an evaluation each (the 20 rounds repeat the programs of
+# the first: the shrunk config's equality with families.yaml in every other key is asserted below)
+FAMILIES = "mrl train --config runs/families_quick.yaml --out runs/families"
+FAMILIES_QUICK = {"rounds: 20\n": "rounds: 2\n", "checkpoint_every: 10\n": "checkpoint_every: 1\n",
+                  "eval_every: 10\n": "eval_every: 1\n"}
 REPORT = "mrl report runs/families --out runs/families_report"
 REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick --probes sgt"
 REASONING_DS = "python experiments/reasoning/run.py --out runs/reasoning_ds --variant dataset --seeds 1 --quick --probes none"
@@ -117,9 +121,21 @@ def test_family_models_then_the_families_run_and_its_report(fresh_clone):
     assert fmt.chat.render(["2+3="]) == ["<|user|>\n2+3=<|end|>\n<|assistant|>\n"]
     assert fmt.chat.end_of_turn() == "<|end|>"
 
+    from mrl_jax.configs import load_yaml, to_dict
+    from mrl_jax.trainer.config import RunConfig
+
+    text = (fresh_clone.root / "experiments" / "configs" / "families.yaml").read_text()
+    for full, quick in FAMILIES_QUICK.items():
+        assert text.count(full) == 1, full
+        text = text.replace(full, quick)
+    (fresh_clone.root / "runs" / "families_quick.yaml").write_text(text)
+    full = to_dict(load_yaml(RunConfig, fresh_clone.root / "experiments" / "configs" / "families.yaml"))
+    quick = to_dict(load_yaml(RunConfig, fresh_clone.root / "runs" / "families_quick.yaml"))
+    assert {k: v for k, v in full.items() if quick[k] != v} == {"rounds": 20, "checkpoint_every": 10, "eval_every": 10}
     _ok(fresh_clone, FAMILIES)
     summary = json.loads((fresh_clone.root / "runs" / "families" / "summary.json").read_text())
     assert set(summary["policies"]) == {"qwen3", "gemma3", "phi3"}
+    assert sorted(int(p.name) for p in (fresh_clone.root / "runs" / "families" / "checkpoints").iterdir()) == [0, 1]
     _ok(fresh_clone, REPORT)
     assert (fresh_clone.root / "runs" / "families_report" / "summary.md").is_file()
 
