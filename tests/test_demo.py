@@ -1,4 +1,5 @@
 """The embedded-default demo end to end on a tiny budget, and its honest verdict."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -66,6 +67,23 @@ def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     assert "sgt/rows_fired" not in on_disk["probes"]["none"]["llama-bpe"]["counters"]
     assert summary["round_time_split_s"]["update"] > 0
     assert "| sgt |" in (out / "summary.md").read_text()
+
+
+def test_rounds_flag_sets_the_rounds_and_refuses_fewer_than_one(tmp_path, monkeypatch, capsys):
+    import mrl_jax.demo
+    from mrl_jax.cli import main
+
+    seen = []
+    monkeypatch.setattr(mrl_jax.demo, "run_demo", lambda out, **kw: seen.append(kw) or {})
+    assert main(["demo", "--quick", "--rounds", "3", "--out", str(tmp_path / "a")]) == 0
+    (kw,) = seen
+    quick = mrl_jax.demo.DemoSettings.make(True, None)
+    assert kw["settings"].rounds == 3 and kw["settings"] == dataclasses.replace(quick, rounds=3)   # the rest: --quick's
+    capsys.readouterr()
+    assert main(["demo", "--rounds", "0", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rounds 0: must be >= 1" in err and "\n" not in err, err
+    assert len(seen) == 1
 
 
 def _entry(own, foreign, std=0.0):

@@ -11,7 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "experiments/bandit/README.md", "experiments/demo/README.md", "experiments/reasoning/README.md")
-DEMO = "mrl demo --quick --probes sgt --out runs/demo"
+# the quick demo at 2 of its 20 rounds (its later rounds rerun round 1's programs; tests/test_demo.py runs the demo's
+# every artefact at a tiny budget)
+DEMO = "mrl demo --quick --rounds 2 --probes sgt --out runs/demo"
 BANDIT = "mrl bandit --quick --out runs/bandit"
 # run_analysis.py reads a YAML LabConfig: a two-probe, ten-step one here (quick.yaml's equality with `mrl bandit
 # --quick`'s config is asserted in process: the same `lab.run`, no second run of it needed)
@@ -97,6 +99,7 @@ def test_demo_quick(fresh_clone):
     run = fresh_clone.root / "runs" / "demo"
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["probes"]) == {"sgt"}
+    assert {len(pol["reward_curve"]) for pol in summary["probes"]["sgt"].values()} == {2}
     for name in ("summary.md", "success.png", "curves.png"):
         assert (run / name).stat().st_size > 0
 
