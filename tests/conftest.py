@@ -39,7 +39,7 @@ def pytest_sessionfinish(session, exitstatus):
 # roughly longest first. `--dist loadfile` hands a worker the next file of the collected order when it has two tests left; xdist's
 # own order (the files with the most tests first) left these, with few tests each, for the end, where one worker
 # ran the last of them alone. Here they go first (longest first), then the others as xdist orders them.
-LONGEST_FILES = ("test_bench_probes.py", "test_placement.py", "test_fresh_clone.py", "test_trainer.py",
+LONGEST_FILES = ("test_fresh_clone.py", "test_placement.py", "test_bench_probes.py", "test_trainer.py",
                  "test_rollout_slots.py", "test_reliability.py", "test_memory_plan.py", "test_mwra.py",
                  "test_failures.py", "test_lora.py", "test_families_export.py", "test_demo.py", "test_lost_process.py",
                  "test_tpu_compile.py")
