@@ -21,11 +21,9 @@ BANDIT_YAML = "python experiments/bandit/run_analysis.py --config runs/tiny_lab.
 TINY_LAB = "probes: [none, sgt]\ngroup_sizes: [4]\nsigmas: [1.0]\nsteps: 10\nseeds: 2\nrecord_every: 5\n"
 VARIANTS = "python experiments/bandit/variants.py --quick --out runs/variants"
 FAMILY_MODELS = "python experiments/family_models.py runs/family_models"
-# families.yaml as written but 2 rounds, a checkpoint and an evaluation each (the 20 rounds repeat the programs of
-# the first: the shrunk config's equality with families.yaml in every other key is asserted below)
+# families.yaml at a smoke budget (tests/support.py FAMILIES_QUICK: 2 rounds of 2 prompts x 2, a checkpoint and an
+# evaluation each; its equality with families.yaml in every other key is asserted below)
 FAMILIES = "mrl train --config runs/families_quick.yaml --out runs/families"
-FAMILIES_QUICK = {"rounds: 20\n": "rounds: 2\n", "checkpoint_every: 10\n": "checkpoint_every: 1\n",
-                  "eval_every: 10\n": "eval_every: 1\n"}
 REPORT = "mrl report runs/families --out runs/families_report"
 REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick --probes sgt"
 REASONING_DS = "python experiments/reasoning/run.py --out runs/reasoning_ds --variant dataset --seeds 1 --quick --probes none"
@@ -124,17 +122,20 @@ def test_family_models_then_the_families_run_and_its_report(fresh_clone):
     assert fmt.chat.render(["2+3="]) == ["<|user|>\n2+3=<|end|>\n<|assistant|>\n"]
     assert fmt.chat.end_of_turn() == "<|end|>"
 
+    import yaml
+
+    import support
     from mrl_jax.configs import load_yaml, to_dict
     from mrl_jax.trainer.config import RunConfig
 
-    text = (fresh_clone.root / "experiments" / "configs" / "families.yaml").read_text()
-    for full, quick in FAMILIES_QUICK.items():
-        assert text.count(full) == 1, full
-        text = text.replace(full, quick)
-    (fresh_clone.root / "runs" / "families_quick.yaml").write_text(text)
-    full = to_dict(load_yaml(RunConfig, fresh_clone.root / "experiments" / "configs" / "families.yaml"))
-    quick = to_dict(load_yaml(RunConfig, fresh_clone.root / "runs" / "families_quick.yaml"))
-    assert {k: v for k, v in full.items() if quick[k] != v} == {"rounds": 20, "checkpoint_every": 10, "eval_every": 10}
+    written = fresh_clone.root / "experiments" / "configs" / "families.yaml"
+    quick_yaml = fresh_clone.root / "runs" / "families_quick.yaml"
+    quick_yaml.write_text(yaml.safe_dump(support.families_quick(yaml.safe_load(written.read_text()))))
+    full, quick = to_dict(load_yaml(RunConfig, written)), to_dict(load_yaml(RunConfig, quick_yaml))
+    assert {k for k in full if quick[k] != full[k]} == set(support.FAMILIES_QUICK) | {"policies"}
+    assert [p["sampling"].pop("max_new_tokens") for p in quick["policies"]] == [support.FAMILIES_QUICK_TOKENS] * 3
+    assert [p["sampling"].pop("max_new_tokens") for p in full["policies"]] == [8] * 3
+    assert quick["policies"] == full["policies"]
     _ok(fresh_clone, FAMILIES)
     summary = json.loads((fresh_clone.root / "runs" / "families" / "summary.json").read_text())
     assert set(summary["policies"]) == {"qwen3", "gemma3", "phi3"}
