@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_out(demo)
     demo.add_argument("--quick", action="store_true", help="smaller budget (fewer rounds and seeds), ~3 minutes on CPU")
     demo.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3, or 1 with --quick)")
+    demo.add_argument("--rounds", type=int, default=None,
+                      help="RL rounds of every run (default: 40, or 20 with --quick); the rest of the budget unchanged")
     demo.add_argument("--probes", default=None,
                       help="comma-separated probe specs to compare (default: none,xgrpo,prp,sgt,sgt+replay)")
 
@@ -153,7 +155,14 @@ def _demo(args) -> dict:
     from mrl_jax.demo import run_demo
 
     probes = args.probes.split(",") if args.probes else None
-    return run_demo(args.out, quick=args.quick, num_seeds=args.seeds, probes=probes)
+    settings = None
+    if args.rounds is not None:
+        import dataclasses
+
+        from mrl_jax.demo import DemoSettings
+
+        settings = dataclasses.replace(DemoSettings.make(args.quick, args.seeds), rounds=args.rounds)
+    return run_demo(args.out, quick=args.quick, num_seeds=args.seeds, probes=probes, settings=settings)
 
 
 def _train(args) -> dict:
@@ -287,6 +296,8 @@ def _bad_arguments(args) -> str | None:
     out = getattr(args, "out", None)
     if out is not None and out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a directory; give a directory (created if missing)"
+    if args.verb == "demo" and args.rounds is not None and args.rounds < 1:
+        return f"--rounds {args.rounds}: must be >= 1"
     if args.verb == "eval" and args.samples is not None and args.samples < 0:
         return f"--samples {args.samples}: must be >= 0 (0 = greedy only; K > 0 = K sampled completions per prompt)"
     if args.verb == "eval" and args.temperature is not None and not args.temperature > 0:

@@ -39,7 +39,7 @@ def pytest_sessionfinish(session, exitstatus):
 # roughly longest first. `--dist loadfile` hands a worker the next file of the collected order when it has two tests left; xdist's
 # own order (the files with the most tests first) left these, with few tests each, for the end, where one worker
 # ran the last of them alone. Here they go first (longest first), then the others as xdist orders them.
-LONGEST_FILES = ("test_bench_probes.py", "test_placement.py", "test_fresh_clone.py", "test_trainer.py",
+LONGEST_FILES = ("test_fresh_clone.py", "test_placement.py", "test_bench_probes.py", "test_trainer.py",
                  "test_rollout_slots.py", "test_reliability.py", "test_memory_plan.py", "test_mwra.py",
                  "test_failures.py", "test_lora.py", "test_families_export.py", "test_demo.py", "test_lost_process.py",
                  "test_tpu_compile.py")
@@ -78,11 +78,15 @@ def shared_tokenizers_dir() -> Path:
 @pytest.fixture(scope="session")
 def fresh_clone(tmp_path_factory):
     """This checkout as a user's fresh clone, installed as the README installs it (tests/installs.py): run a
-    documented command with ``fresh_clone.run("mrl demo --quick --out runs/demo")``."""
+    documented command with ``fresh_clone.run("mrl demo --quick --out runs/demo")``. Its commands use the run's
+    compilation cache (`support.compile_cache_dir`): they load what other tests' processes compiled (the same
+    programs: JAX's cache key drops source locations, so a clone's programs are the checkout's)."""
+    import support
     from installs import FreshClone, clean_clone
 
     base = tmp_path_factory.mktemp("fresh")
-    return FreshClone(clean_clone(REPO, base / "clone"), base)
+    cache = support.compile_cache_dir()
+    return FreshClone(clean_clone(REPO, base / "clone"), base, cache=None if cache is None else Path(cache))
 
 
 @pytest.fixture(autouse=True)

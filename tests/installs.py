@@ -126,11 +126,14 @@ def clean_clone(source: Path, where: Path) -> Path:
 class FreshClone:
     """A clean clone (``root``) with no ``../shared`` beside it and the README's installs of it, built lazily:
     ``venv(())`` = ``pip install -e .``, ``venv(("reasoning",))`` = ``pip install -e '.[reasoning]'``. The commands
-    it runs share one compilation cache (as a user's ``mrl`` runs share ``~/.cache/mrl_jax``; one at a time, so no
-    entry is read while another process writes it)."""
+    it runs share one compilation cache (as a user's ``mrl`` runs share ``~/.cache/mrl_jax``): ``cache``, by default
+    ``scratch/jax_cache`` (the suite passes its own run's cache, tests/support.py ``compile_cache_dir``, so a
+    command loads the programs another test's process compiled; entries are written whole,
+    `mrl_jax.compile_cache.AtomicFileCache`, so processes may share it)."""
 
     root: Path
     scratch: Path
+    cache: Path | None = None
     _venvs: dict = dataclasses.field(default_factory=dict)
 
     def venv(self, extras: tuple[str, ...] = ()) -> Path:
@@ -145,7 +148,7 @@ class FreshClone:
         venv = self.venv(extras)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
-                   MRL_COMPILATION_CACHE=str(self.scratch / "jax_cache"),
+                   MRL_COMPILATION_CACHE=str(self.cache or self.scratch / "jax_cache"),
                    MRL_SHARED_TOKENIZERS=str(self.root.parent / "shared" / "tokenizers"))
         return subprocess.run(["bash", "-c", command], cwd=self.root, env=env, capture_output=True, text=True,
                               timeout=timeout)

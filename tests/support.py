@@ -121,6 +121,23 @@ def release_compiled_programs(budget: int) -> bool:
     return True
 
 
+# experiments/configs/families.yaml's budget shrunk (tests/test_fresh_clone.py runs it from a clean clone,
+# tests/test_families_export.py trains and exports it): the two runs compile the same qwen3 / gemma3 programs,
+# which the second loads from the suite's compilation cache
+FAMILIES_QUICK = {"rounds": 2, "prompts_per_round": 2, "num_generations": 2, "checkpoint_every": 1, "eval_every": 1,
+                  "eval_prompts": 2}
+FAMILIES_QUICK_TOKENS = 4   # every policy's sampling.max_new_tokens
+
+
+def families_quick(raw: dict) -> dict:
+    """A copy of families.yaml's ``raw`` config dict at `FAMILIES_QUICK`'s budget (everything else as written)."""
+    raw = copy.deepcopy(raw)
+    raw.update(FAMILIES_QUICK)
+    for pol in raw["policies"]:
+        pol["sampling"]["max_new_tokens"] = FAMILIES_QUICK_TOKENS
+    return raw
+
+
 def tiny_config(**overrides: Any) -> dict:
     """The tiny two-policy config as a dict, with ``overrides`` (dotted keys: ``policies.0.probes``)."""
     import yaml

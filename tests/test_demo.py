@@ -1,17 +1,19 @@
 """The embedded-default demo end to end on a tiny budget, and its honest verdict."""
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import support
 from mrl_jax.demo import _verdict
 
 REPO = Path(__file__).resolve().parents[1]
 # run_demo in a fresh process: an xdist worker that had imported torch (other modules' parity tests) segfaulted
 # twice inside XLA:CPU while this test compiled (once in backend_compile_and_load, once in deserialize_executable);
-# a process with jax alone is what `mrl demo` runs in; like `mrl demo`, it keeps a persistent compilation cache (its
-# own, used by it alone): the second probe's runs load the programs the first compiled
+# a process with jax alone is what `mrl demo` runs in; like `mrl demo`, it keeps a persistent compilation cache (the
+# suite's, `support.compile_cache_dir`, else its own): the second probe's runs load the programs the first compiled
 TINY_DEMO = """
 import json, sys
 from mrl_jax import compile_cache
@@ -35,7 +37,8 @@ print(json.dumps({"lrs": lrs, "round_time_split_s": summary["round_time_split_s"
 def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-c", TINY_DEMO, str(out), str(tmp_path / "jax_cache")], env=env, cwd=REPO,
+    cache = support.compile_cache_dir() or str(tmp_path / "jax_cache")
+    proc = subprocess.run([sys.executable, "-c", TINY_DEMO, str(out), cache], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -64,6 +67,23 @@ def test_demo_tiny_budget_writes_every_artefact(tmp_path):
     assert "sgt/rows_fired" not in on_disk["probes"]["none"]["llama-bpe"]["counters"]
     assert summary["round_time_split_s"]["update"] > 0
     assert "| sgt |" in (out / "summary.md").read_text()
+
+
+def test_rounds_flag_sets_the_rounds_and_refuses_fewer_than_one(tmp_path, monkeypatch, capsys):
+    import mrl_jax.demo
+    from mrl_jax.cli import main
+
+    seen = []
+    monkeypatch.setattr(mrl_jax.demo, "run_demo", lambda out, **kw: seen.append(kw) or {})
+    assert main(["demo", "--quick", "--rounds", "3", "--out", str(tmp_path / "a")]) == 0
+    (kw,) = seen
+    quick = mrl_jax.demo.DemoSettings.make(True, None)
+    assert kw["settings"].rounds == 3 and kw["settings"] == dataclasses.replace(quick, rounds=3)   # the rest: --quick's
+    capsys.readouterr()
+    assert main(["demo", "--rounds", "0", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rounds 0: must be >= 1" in err and "\n" not in err, err
+    assert len(seen) == 1
 
 
 def _entry(own, foreign, std=0.0):

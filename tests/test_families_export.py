@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import support  # noqa: E402
 from mrl_jax.configs import from_dict, load_yaml, to_dict  # noqa: E402
 from mrl_jax.export import export_policy  # noqa: E402
 from mrl_jax.tasks import RewardSpec  # noqa: E402
@@ -38,16 +39,15 @@ def _family_models():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, shared_tokenizers_dir):
-    """experiments/configs/families.yaml shrunk to 2 rounds of 2 prompts, on freshly built directories."""
+    """experiments/configs/families.yaml shrunk to 2 rounds of 2 prompts (`support.families_quick`: the budget
+    tests/test_fresh_clone.py runs it at, so the qwen3 / gemma3 programs load from the suite's compilation cache),
+    on freshly built directories."""
     root = tmp_path_factory.mktemp("families")
     dirs = _family_models().build(root / "models", phi3_tokenizer=shared_tokenizers_dir / "phi-3-mini")
     cfg = load_yaml(RunConfig, REPO / "experiments" / "configs" / "families.yaml")
-    raw = to_dict(cfg)
-    raw.update(rounds=2, prompts_per_round=2, num_generations=2, checkpoint_every=1, eval_every=0, eval_prompts=2)
+    raw = support.families_quick(to_dict(cfg))
     for pol, name in zip(raw["policies"], ("qwen3", "gemma3", "phi3")):
         pol["model"]["path"] = str(dirs[name])
-        pol["sampling"]["max_new_tokens"] = 4
-        pol["probes"] = "none"
     cfg = from_dict(RunConfig, raw)
     out = root / "run"
     train(cfg, out, reward_specs=[RewardSpec(_text_hash, name="text_hash")], progress=False)

@@ -11,7 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "experiments/bandit/README.md", "experiments/demo/README.md", "experiments/reasoning/README.md")
-DEMO = "mrl demo --quick --probes sgt --out runs/demo"
+# the quick demo at 2 of its 20 rounds (its later rounds rerun round 1's programs; tests/test_demo.py runs the demo's
+# every artefact at a tiny budget)
+DEMO = "mrl demo --quick --rounds 2 --probes sgt --out runs/demo"
 BANDIT = "mrl bandit --quick --out runs/bandit"
 # run_analysis.py reads a YAML LabConfig: a two-probe, ten-step one here (quick.yaml's equality with `mrl bandit
 # --quick`'s config is asserted in process: the same `lab.run`, no second run of it needed)
@@ -19,7 +21,9 @@ BANDIT_YAML = "python experiments/bandit/run_analysis.py --config runs/tiny_lab.
 TINY_LAB = "probes: [none, sgt]\ngroup_sizes: [4]\nsigmas: [1.0]\nsteps: 10\nseeds: 2\nrecord_every: 5\n"
 VARIANTS = "python experiments/bandit/variants.py --quick --out runs/variants"
 FAMILY_MODELS = "python experiments/family_models.py runs/family_models"
-FAMILIES = "mrl train --config experiments/configs/families.yaml --out runs/families"
+# families.yaml at a smoke budget (tests/support.py FAMILIES_QUICK: 2 rounds of 2 prompts x 2, a checkpoint and an
+# evaluation each; its equality with families.yaml in every other key is asserted below)
+FAMILIES = "mrl train --config runs/families_quick.yaml --out runs/families"
 REPORT = "mrl report runs/families --out runs/families_report"
 REASONING = "python experiments/reasoning/run.py --out runs/reasoning --seeds 1 --quick --probes sgt"
 REASONING_DS = "python experiments/reasoning/run.py --out runs/reasoning_ds --variant dataset --seeds 1 --quick --probes none"
@@ -93,6 +97,7 @@ def test_demo_quick(fresh_clone):
     run = fresh_clone.root / "runs" / "demo"
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["probes"]) == {"sgt"}
+    assert {len(pol["reward_curve"]) for pol in summary["probes"]["sgt"].values()} == {2}
     for name in ("summary.md", "success.png", "curves.png"):
         assert (run / name).stat().st_size > 0
 
@@ -117,9 +122,24 @@ def test_family_models_then_the_families_run_and_its_report(fresh_clone):
     assert fmt.chat.render(["2+3="]) == ["<|user|>\n2+3=<|end|>\n<|assistant|>\n"]
     assert fmt.chat.end_of_turn() == "<|end|>"
 
+    import yaml
+
+    import support
+    from mrl_jax.configs import load_yaml, to_dict
+    from mrl_jax.trainer.config import RunConfig
+
+    written = fresh_clone.root / "experiments" / "configs" / "families.yaml"
+    quick_yaml = fresh_clone.root / "runs" / "families_quick.yaml"
+    quick_yaml.write_text(yaml.safe_dump(support.families_quick(yaml.safe_load(written.read_text()))))
+    full, quick = to_dict(load_yaml(RunConfig, written)), to_dict(load_yaml(RunConfig, quick_yaml))
+    assert {k for k in full if quick[k] != full[k]} == set(support.FAMILIES_QUICK) | {"policies"}
+    assert [p["sampling"].pop("max_new_tokens") for p in quick["policies"]] == [support.FAMILIES_QUICK_TOKENS] * 3
+    assert [p["sampling"].pop("max_new_tokens") for p in full["policies"]] == [8] * 3
+    assert quick["policies"] == full["policies"]
     _ok(fresh_clone, FAMILIES)
     summary = json.loads((fresh_clone.root / "runs" / "families" / "summary.json").read_text())
     assert set(summary["policies"]) == {"qwen3", "gemma3", "phi3"}
+    assert sorted(int(p.name) for p in (fresh_clone.root / "runs" / "families" / "checkpoints").iterdir()) == [0, 1]
     _ok(fresh_clone, REPORT)
     assert (fresh_clone.root / "runs" / "families_report" / "summary.md").is_file()
 

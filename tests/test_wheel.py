@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import support
 from installs import clean_clone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,8 +36,10 @@ def installed(tmp_path_factory) -> Path:
 
 
 def _env(site: Path) -> dict:
+    """The install alone on the Python path; the run's compilation cache (`support.compile_cache_env`: the
+    programs of test_bench_probes' quick comparison, whose facts cells these are, load from it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    return {**env, "PYTHONPATH": str(site)}
+    return {**env, **support.compile_cache_env(), "PYTHONPATH": str(site)}
 
 
 BUILD_WORKLOADS = """
