@@ -7,10 +7,9 @@ from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.trainer.compile_stats import CompileCounter
-from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
-                                   ragged, slot_count, slot_rollout, trace_count)
-from mrl_jax.slot_ladder import SHORT, Ladder, graph_token, rungs
+from mrl_jax.sampler import (SHORT, Ladder, SamplingConfig, drive, generate, generate_slots, graph_token, ladder,
+                             ladder_row_steps, launch, left_pad, min_row_steps, paged_layout, ragged, rungs, slot_count)
+from mrl_jax.sampler.slots import trace_count
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -129,14 +128,14 @@ def test_a_round_is_one_program_holding_every_rung(llama):
     rows move further compiles nothing. Rows that can only end together (no stop id, a slot per row) keep one rung:
     nothing could move; with fewer slots than rows they enter, and so end, at different steps: the ladder again.
     N = 39 / 37: shapes no other test compiles."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     g, p, ids, mask = llama
 
     def program(cfg, slots=36):   # the memoised round program of this config at S = slots, and its rungs
-        (k,) = [k for k in rollout_slots._PROGRAMS
+        (k,) = [k for k in rounds._PROGRAMS
                 if k[0] == graph_token(g) and k[1] == cfg and k[3][0] == slots]
-        return rollout_slots._PROGRAMS[k], k[3]
+        return rounds._PROGRAMS[k], k[3]
 
     for n, guard in ((39, "allow"), (37, "disallow")):
         cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, temperature=0.9)
@@ -183,9 +182,9 @@ def test_rows_ending_at_step_0_or_never(llama, g, slots):
     out, stats = generate_slots(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots)
     _assert_same(out, ref)
     assert stats["shared_prompts"] == (slots == 9), stats   # G 3 every row: row ``first``'s slot free from step 0
-    other = slot_rollout(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
+    other = launch(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
     st: list = []
-    both = drive([slot_rollout(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots), other, ref], st)
+    both = drive([launch(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots), other, ref], st)
     alone, _ = generate_slots(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
     np.testing.assert_array_equal(both[0].tokens, out.tokens)
     np.testing.assert_array_equal(both[1].tokens, alone.tokens)
@@ -251,25 +250,25 @@ def test_a_round_is_one_program_call(llama, n, shrink, g, slots):
     without the ladder), moves down the ladder, a queue refilling fewer slots than rows --, read once at its end,
     and its tokens equal the static sampler's, rows ending at step 0 included; with a slot per row and one rung its
     decode steps and row-steps are the static sampler's."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     gd, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
     key = jax.random.key(4)
     kw = dict(num_samples=g, slots=slots, shrink=shrink)
     generate_slots(gd, p, ids, mask, key, cfg, **kw)   # its program, memoised
-    (name,) = [k for k in rollout_slots._PROGRAMS if k[0] == graph_token(gd) and k[1] == cfg and k[2] == g and
+    (name,) = [k for k in rounds._PROGRAMS if k[0] == graph_token(gd) and k[1] == cfg and k[2] == g and
                k[3][0] == (slots or 3 * g) and len(k[3]) == (3 if shrink and g == 12 else 1)]
-    program, calls = rollout_slots._PROGRAMS[name], []
+    program, calls = rounds._PROGRAMS[name], []
 
     def counted(*a):
         calls.append(a)
         return program(*a)
-    rollout_slots._PROGRAMS[name] = counted
+    rounds._PROGRAMS[name] = counted
     try:
         out, stats = generate_slots(gd, p, ids, mask, key, cfg, **kw)
     finally:
-        rollout_slots._PROGRAMS[name] = program
+        rounds._PROGRAMS[name] = program
     ref = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=g))
     _assert_same(out, ref)
     assert (ref.lengths == 1).any() and not ref.truncated.all()   # rows ending at step 0 and before N
@@ -308,7 +307,7 @@ def test_a_free_slot_attends_over_one_entry(llama):
     """Once the queue is empty, a slot left free runs its step at position 0 (length 1: the TPU kernel reads one
     page of it, not the length of the row that left it); a live slot at its row's position. One step per call; the
     positions a step runs at are those the state carries into it (set by the step before, or the admit)."""
-    from mrl_jax.rollout_slots import _advance, _busy, _start
+    from mrl_jax.sampler.slots import _advance, _busy, _start
 
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), temperature=1.0)
@@ -332,7 +331,7 @@ def test_no_refill_where_no_row_can_queue(llama):
     slots than rows: with a slot per row, and at every rung below the first (reached with the queue empty), the
     step has no admit conditional to evaluate (the attention's switch over cache parts stays, the same at every
     rung). The sampler's round programs say which they run."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=41, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)   # N: this test's own
@@ -340,7 +339,7 @@ def test_no_refill_where_no_row_can_queue(llama):
 
     def conds(slots):   # conditionals in the round's program
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
-        (prog,) = [v for k, v in rollout_slots._PROGRAMS.items()
+        (prog,) = [v for k, v in rounds._PROGRAMS.items()
                    if k[0] == graph_token(g) and k[1] == cfg and k[3] == ladder(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
     every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)

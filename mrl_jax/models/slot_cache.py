@@ -1,4 +1,4 @@
-"""The slot sampler's KV cache and its decode step's attention (`mrl_jax.rollout_slots`).
+"""The slot sampler's KV cache and its decode step's attention (`mrl_jax.sampler.slots`).
 
 S decode slots, each holding one row's entries: its prompt's keys / values (positions [0, plen), left-aligned)
 and its generated tokens' (generated entry j: position plen + j). A decode step feeds its token at position

@@ -18,7 +18,7 @@ from flax import nnx
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.slot_ladder import ragged, rungs, slot_count
+from mrl_jax.sampler import ragged, rungs, slot_count
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
@@ -141,8 +141,8 @@ class Run:
             self.policies = [dataclasses.replace(p, slots=f.slots) for p, f in zip(self.policies, self.memory.figures)]
 
     def sampler_lines(self) -> list[str]:
-        """One line per policy: its sampler in a train round (`mrl_jax.rollout_slots`): the rows (P x G, P padded
-        to its data axis), the decode slots S and the rungs the round's tail moves down (`slot_ladder.rungs`)."""
+        """One line per policy: its sampler in a train round (`mrl_jax.sampler`): the rows (P x G, P padded
+        to its data axis), the decode slots S and the rungs the round's tail moves down (`mrl_jax.sampler.rungs`)."""
         out = []
         for pol, shapes in zip(self.policies, self._abstract):
             d = int(pol.mesh.devices.size)

@@ -1,4 +1,4 @@
-"""The slot ladder: the slot counts a round of the slot sampler (:mod:`mrl_jax.rollout_slots`) decodes in, and the
+"""The slot ladder: the slot counts a round of the slot sampler (:mod:`mrl_jax.sampler.slots`) decodes in, and the
 decode row-steps rows of given lengths cost there.
 
     ladder(128)                        # (128, 96, 64, 48, 32, 16, 8)
@@ -101,7 +101,7 @@ def graph_token(graphdef) -> int:
 def paged_layout(graphdef, params) -> bool:
     """Whether the model's slot cache takes the ``pages`` layout (``attention: splash``, the TPU path): each slot's
     attention reads its own length there, so a free slot costs one page and the ladder would buy no step time for
-    its compiles and moves (`slot_rollout` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's part up to
+    its compiles and moves (`mrl_jax.sampler.launch` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's part up to
     the furthest slot, so its tail moves down the ladder. ``params`` may be abstract (ShapeDtypeStructs)."""
     token = graph_token(graphdef)
     if token not in _PAGED:

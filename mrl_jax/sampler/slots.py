@@ -30,7 +30,7 @@ host before the outputs, so no later round compiles, whatever its lengths):
   sampler's block-merged softmax), and the move to the ladder's second rung puts each kept row's prompt (from
   the store) in front of its first part, the layout of the rungs below.
 * randomness: row r at its step i uses ``row_uniforms(key, P * G, N)[r, i]`` whatever slot it runs in, so the same
-  key gives the same tokens and log-probs as :func:`mrl_jax.rollout.generate` for every S.
+  key gives the same tokens and log-probs as :func:`mrl_jax.sampler.oracle.generate` for every S.
 
 Memory: per slot 2 * L * K * D * C * dtype bytes, C = Tc + N - 1 (a row's prompt copied in), or N - 1 entries
 with shared prompts; plus the prompt store P * Tc * the same per-token figure, plus the outputs [P * G, N]; a move
@@ -50,23 +50,18 @@ outputs stay the mesh's arrays and every process reads them with ``trainer.place
 from __future__ import annotations
 
 import functools
-import inspect
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from mrl_jax.models import splash
 from mrl_jax.models.slot_cache import SlotCache, take_blocks
-from mrl_jax.rollout import Rollout, SamplingConfig, row_uniforms
-from mrl_jax.sampling import sample_rows
-from mrl_jax.slot_ladder import (Ladder, graph_token, ladder, ladder_row_steps, min_row_steps,  # noqa: F401
-                                  paged_layout, ragged, rungs, slot_count)
+from mrl_jax.sampler.batch import Rollout
+from mrl_jax.sampler.ladder import paged_layout
+from mrl_jax.sampler.sampling import SamplingConfig, row_uniforms, sample_rows
 
-__all__ = ["SlotCache", "generate_slots", "slot_rollout", "drive", "round_program", "trace_count", "slot_count",
-           "min_row_steps", "ladder_row_steps", "Ladder", "ladder", "rungs", "ragged", "paged_layout"]
+__all__ = ["admit_count", "shares_prompts", "trace_count"]
 
 _TRACES = 0
 
@@ -350,128 +345,3 @@ def _round(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     return Rollout(tokens=state.tokens, logprobs=state.logps[..., 0], sampling_logprobs=state.logps[..., 1],
                    mask=state.mask, lengths=state.mask.sum(-1, dtype=jnp.int32),
                    truncated=~state.ended), jnp.stack([state.t, state.tokens.shape[0] + state.work, reached])
-
-
-def _placement(mesh, rows: int, slots: int | None):
-    """(S, slot sharding or None, a function placing a host value replicated / on the default device)."""
-    if mesh is None:
-        return slot_count(rows, slots), None, jax.device_put
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from mrl_jax import mwra
-
-    repl = NamedSharding(mesh, PartitionSpec())
-    return slot_count(rows, slots, int(mesh.devices.size)), mwra.row_sharding(mesh), lambda x: mwra.put(x, repl)
-
-
-def round_program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, admit: int, rows) -> Callable:
-    """The round's program (:func:`_round`) of one sampler shape, jitted, with the TPU kernels placed on the slots'
-    mesh: ``(params, ids int32[P, width], mask bool[P, width], key) -> (Rollout, counts)``. What the sampler runs
-    (memoised by :func:`_program`) and what the memory plan compiles for its figure."""
-    mesh = None if rows is None else rows.mesh
-
-    def whole(params, ids, mask, k):
-        with splash.on_mesh(mesh):
-            return _round(graphdef, params, ids, mask, k, config, num_samples=g, rungs=rungs, width=width, admit=admit,
-                          rows=rows)
-    return jax.jit(whole)
-
-
-_PROGRAMS: dict = {}
-
-
-def _program(graphdef, config: SamplingConfig, g: int, rungs: tuple, width: int, admit: int, rows) -> Callable:
-    """:func:`round_program` once per process and sampler shape (the GraphDef found by identity:
-    :func:`~mrl_jax.slot_ladder.graph_token`), launched in lockstep by every process of a mesh spanning processes
-    (`mrl_jax.mwra.lockstep`)."""
-    key = (graph_token(graphdef), config, g, rungs, width, admit, rows)
-    found = _PROGRAMS.get(key)
-    if found is None:
-        from mrl_jax.mwra import lockstep
-
-        found = round_program(graphdef, *key[1:])
-        found = _PROGRAMS[key] = found if rows is None else lockstep(rows.mesh, found)
-    return found
-
-
-def slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                 slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
-                 shrink: bool = True, ladder: Ladder = Ladder()):
-    """:func:`generate_slots`'s round dispatched (not awaited) and a generator that reads it: :func:`drive` reads
-    several policies' rounds once all are dispatched; its return value is (Rollout of host arrays, stats). On a
-    mesh spanning processes every process of the mesh runs the same program and the value is (Rollout of the
-    mesh's arrays, {"counts": the mesh's int32[3] (see :func:`_round`), "slots": S}): read the arrays with
-    ``trainer.placement.fetch`` on every process, in the same order."""
-    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-    p, tp = ids.shape
-    b, g = p * int(num_samples), int(num_samples)
-    s, rows, put = _placement(mesh, b, slots)
-    width = tp if width is None else int(width)
-    if width < tp:
-        raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
-    if width > tp:   # left-padded to the slots' width: one program whatever the round's prompt bucket
-        ids, mask = (np.pad(x, ((0, 0), (width - tp, 0))) for x in (ids, mask))
-    sizes = rungs(graphdef, params, s, config.max_new_tokens, 1 if mesh is None else int(mesh.devices.size), shrink,
-                  ragged=ragged(config.eos_ids, s, b), shape=ladder)
-    program = _program(graphdef, config, g, sizes, width, admit_count(s, admit) if s < b else 0, rows)
-    out, counts = program(params, *put((ids, mask, key)))
-    spanning = jax.process_count() > 1 and mesh is not None
-    return _read(out, counts, sizes, rows, spanning,
-                 shares_prompts(paged_layout(graphdef, params), s, p, g, _split(rows)))
-
-
-def _slot_devices(rows) -> int:
-    """The devices a slot sharding ``rows`` (None: one device) places the slots on (1 where it replicates them)."""
-    return 1 if rows is None or rows.is_fully_replicated else len(rows.device_set)
-
-
-def _read(out, counts, sizes: tuple, rows, spanning: bool, shared: bool):
-    """:func:`slot_rollout`'s reader: on a mesh spanning processes (Rollout of the mesh's arrays, {"counts",
-    "slots"}); else (Rollout of host arrays, stats)."""
-    yield from ()   # a generator: `drive` reads it once every sampler is dispatched
-    if spanning:   # the mesh's arrays: every process reads them with trainer.placement.fetch
-        return out, {"counts": counts, "slots": sizes[0]}
-    out, (decode, row_steps, reached) = jax.device_get((out, counts))
-    return out, {"row_steps": int(row_steps), "decode_steps": int(decode), "slots": sizes[0],
-                 "rungs": sizes[:int(reached) + 1], "slot_devices": _slot_devices(rows), "shared_prompts": shared}
-
-
-def drive(items: Sequence, stats: list | None = None) -> list:
-    """Read the :func:`slot_rollout` rounds among ``items`` (each already dispatched, so their device work overlaps
-    the others' reads); returns their Rollouts, other items unchanged. ``stats``: a
-    list that gets each item's stats dict (None for the other items)."""
-    out, pending = list(items), [i for i, x in enumerate(items) if inspect.isgenerator(x)]
-    info = [None] * len(out)
-    while pending:
-        for i in list(pending):
-            try:
-                next(out[i])
-            except StopIteration as stop:
-                out[i], info[i] = stop.value
-                pending.remove(i)
-    if stats is not None:
-        stats.extend(info)
-    return out
-
-
-def generate_slots(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfig, *, num_samples: int = 1,
-                   slots: int | None = None, admit: int | None = None, width: int | None = None, mesh=None,
-                   shrink: bool = True, ladder: Ladder = Ladder()) -> tuple[Rollout, dict]:
-    """:func:`mrl_jax.rollout.generate`'s rows (same key => same tokens and log-probs) decoded in S slots.
-
-    Args as ``generate``; ``slots``: S (None: every row, P * G; rounded up to a multiple of the mesh's devices);
-    ``admit``: rows admitted per step at most (default max(8, S / 8)); ``width``: the prompt part of each slot (>=
-    Tp: the prompts are left-padded to it, so a fixed width keeps one program across prompt buckets); ``mesh``:
-    slots split over its devices; ``shrink``: the rows left once the queue is empty move to fewer slots
-    (:func:`ladder`; the ``heads`` cache layout only; False: S slots to the end); ``ladder``: how the rungs step
-    down (:class:`Ladder`: the default, or a ratio between rungs and a floor). Returns (:class:`Rollout` of host
-    numpy arrays [P * G, N], stats): ``row_steps`` (step 0 of every row + the slots of each decode step run),
-    ``decode_steps``, ``slots`` (S), ``rungs`` (the slot counts it decoded in), ``slot_devices``, ``shared_prompts``
-    (the first rung read each prompt's entries once for its G slots: :func:`shares_prompts`). The round is one
-    program (:func:`round_program`), compiled once per sampler shape.
-    """
-    stats: list = []
-    out = drive([slot_rollout(graphdef, params, prompt_ids, prompt_mask, key, config, num_samples=num_samples,
-                              slots=slots, admit=admit, width=width, mesh=mesh, shrink=shrink, ladder=ladder)],
-                stats)
-    return out[0], stats[0]
