@@ -315,7 +315,7 @@ def test_a_free_slot_attends_over_one_entry(llama):
     step = jax.jit(lambda params, pr, s: _advance(nnx.merge(g, params), pr, s, cfg, 4, 2, None))
     plen, idle = np.asarray(mask).sum(-1), 0
     while bool(jax.jit(_busy)(prompts, st)):
-        row, step_at, drained = np.asarray(st.row), np.asarray(st.step), int(st.ptr) == int(prompts.count)
+        row, step_at, drained = np.asarray(st.row), np.asarray(st.step), int(st.taken) == int(prompts.queued)
         qpos = np.asarray(st.cache.qpos)
         st = step(p, prompts, st)
         if drained:   # nothing admitted at this step: the slots free before it stayed free through it
