@@ -1,4 +1,5 @@
-"""Rollout throughput: mrl_jax.sampler.generate (the static sampler) vs transformers' generate (torch CPU), SAME weights.
+"""Rollout throughput: mrl_jax.sampler.generate (the static sampler) vs transformers' generate (torch CPU), SAME
+weights.
 
 For each model family a small random model is built with ``transformers`` (torch), saved with
 ``save_pretrained`` to a temp dir and loaded with ``mrl_jax.models.from_pretrained``; both samplers then
@@ -284,7 +285,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
     import jax
 
     from mrl_jax.trainer.compile_stats import CompileCounter
-    from mrl_jax.sampler import Ladder, generate, generate_slots, ladder, ladder_row_steps, min_row_steps
+    from mrl_jax.sampler import Ladder, generate, generate_slots, ladder_row_steps, min_row_steps
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
@@ -314,7 +315,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
                         f"{name}_bound": min_row_steps(out.lengths, stats["slots"]),
                         f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
-    ladders = {"default": ladder(b), **{k: ladder(b, shape=Ladder(*v)) for k, v in LADDERS.items()}}
+    ladders = {"default": Ladder().rungs(b), **{k: Ladder(*v).rungs(b) for k, v in LADDERS.items()}}
     ladder_steps = {k: sum(ladder_row_steps(x["lengths"], v) for x in rows) / kept for k, v in ladders.items()}
     return {"rounds": rows, "tokens_identical": True, "slots": {k: v[0] for k, v in variants.items()},
             "ladder_shapes": {k: [v[1].ratio, v[1].floor] for k, v in variants.items()},

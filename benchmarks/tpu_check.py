@@ -161,7 +161,7 @@ def _sampler(run, i: int, new_tokens: int) -> Program:
     S = sampler.slot_count(P * G, pol.slots, d)
     rungs = sampler.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
                                 ragged=sampler.ragged(cfg.eos_ids, S, P * G),
-                                shape=pol.spec.sampling.ladder_shape)
+                                ladder=pol.spec.sampling.ladder_shape)
     admit = sampler.admit_count(S) if S < P * G else 0
     fn = sampler.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, mwra.row_sharding(mesh))
     repl = NamedSharding(mesh, mwra.REPLICATED)

@@ -7,7 +7,7 @@ from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.trainer.compile_stats import CompileCounter
-from mrl_jax.sampler import (SHORT, Ladder, SamplingConfig, drive, generate, generate_slots, graph_token, ladder,
+from mrl_jax.sampler import (SHORT, Ladder, SamplingConfig, drive, generate, generate_slots, graph_token,
                              ladder_row_steps, launch, left_pad, min_row_steps, paged_layout, ragged, rungs, slot_count)
 from mrl_jax.sampler.slots import trace_count
 
@@ -69,6 +69,7 @@ def test_the_tail_moves_to_fewer_slots(llama):
     below what 36 fixed slots take at least (the bound, which they reach
     without it); later keys (other lengths) compile nothing."""
     # 3/4 steps above 32 slots (to 2^k or 3 * 2^k), halves below, floor 8; multiples of the devices
+    ladder = Ladder().rungs   # the default ladder
     assert ladder(36) == (36, 24, 12) and ladder(128) == (128, 96, 64, 48, 32, 16, 8) and ladder(12) == (12,)
     assert ladder(36, 4) == (36, 24, 12, 8) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
     assert ladder(100) == (100, 64, 48, 32, 16, 8) and ladder(48, 6) == (48, 36, 24, 12) and ladder(18) == (18, 8)
@@ -102,10 +103,10 @@ def test_a_ladder_with_a_ratio_trades_rungs_for_row_steps(llama):
     """``Ladder(ratio, floor)``: each rung at most ratio x the one above (at least one multiple fewer), down to the
     floor; a round on it keeps the static sampler's tokens and takes exactly its ladder's row-steps, fewer than on
     the default rungs; a ratio outside (0, 1) or a floor below 1 is refused naming the config key."""
-    assert ladder(36, shape=Ladder(0.5, 1)) == (36, 18, 9, 4, 2, 1)
-    assert ladder(36, 4, shape=Ladder(0.9, 4)) == (36, 32, 28, 24, 20, 16, 12, 8, 4)   # at least 4 fewer each rung
-    assert ladder(128, shape=Ladder(0.999, 1)) == tuple(range(128, 64, -1))   # 64 rungs at most
-    assert ladder(12, shape=Ladder(floor=12)) == (12,) and ladder(36, shape=Ladder(floor=20)) == (36, 24)
+    assert Ladder(0.5, 1).rungs(36) == (36, 18, 9, 4, 2, 1)
+    assert Ladder(0.9, 4).rungs(36, 4) == (36, 32, 28, 24, 20, 16, 12, 8, 4)   # at least 4 fewer each rung
+    assert Ladder(0.999, 1).rungs(128) == tuple(range(128, 64, -1))   # 64 rungs at most
+    assert Ladder(floor=12).rungs(12) == (12,) and Ladder(floor=20).rungs(36) == (36, 24)
     for bad, key in (({"ratio": 1.0}, "ladder_ratio"), ({"ratio": 0.0}, "ladder_ratio"), ({"floor": 0}, "ladder_floor")):
         with pytest.raises(ValueError, match=f"sampling.{key} must be"):
             Ladder(**bad)
@@ -114,11 +115,11 @@ def test_a_ladder_with_a_ratio_trades_rungs_for_row_steps(llama):
     key = jax.random.key(21)
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
     lengths = np.asarray(ref.lengths)
-    fine = ladder(36, shape=Ladder(0.8, 2))
+    fine = Ladder(0.8, 2).rungs(36)
     assert fine == (36, 28, 22, 17, 13, 10, 8, 6, 4, 3, 2)
     out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, ladder=Ladder(0.8, 2))
     _assert_same(out, ref)
-    assert stats["row_steps"] == ladder_row_steps(lengths, fine) < ladder_row_steps(lengths, ladder(36)), stats
+    assert stats["row_steps"] == ladder_row_steps(lengths, fine) < ladder_row_steps(lengths, Ladder().rungs(36)), stats
     assert stats["rungs"] == fine[:len(stats["rungs"])] and len(stats["rungs"]) > 3, stats
 
 
@@ -153,7 +154,7 @@ def test_a_round_is_one_program_holding_every_rung(llama):
         assert sizes == (36, 24, 12) and stats["rungs"] == program(free)[1] == (36,), (sizes, stats)
         assert loops - str(jax.make_jaxpr(program(free)[0])(p, ids, mask, key)).count(" while[") == 2   # a loop a rung
         generate_slots(g, p, ids, mask, key, free, num_samples=12, slots=24)
-        assert program(free, 24)[1] == ladder(24) == (24, 12)
+        assert program(free, 24)[1] == Ladder().rungs(24) == (24, 12)
 
 
 def _stop_set(tokens: np.ndarray) -> tuple:
@@ -214,7 +215,7 @@ def test_sliding_window_and_learned_positions(family, attention):
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6))
         before = trace_count()
         out, stats = generate_slots(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6)
-        assert stats["rungs"] == (18,) and trace_count() - before == 1 and ladder(18) == (18, 8)
+        assert stats["rungs"] == (18,) and trace_count() - before == 1 and Ladder().rungs(18) == (18, 8)
         _assert_same(out, ref)
 
 
@@ -340,7 +341,7 @@ def test_no_refill_where_no_row_can_queue(llama):
     def conds(slots):   # conditionals in the round's program
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
         (prog,) = [v for k, v in rounds._PROGRAMS.items()
-                   if k[0] == graph_token(g) and k[1] == cfg and k[3] == ladder(slots)]
+                   if k[0] == graph_token(g) and k[1] == cfg and k[3] == Ladder().rungs(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
     every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
     per_rung = every_row // 3

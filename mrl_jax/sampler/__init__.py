@@ -16,8 +16,8 @@ Modules, one concept each:
   oracle (same key, same tokens and log-probs), not what the library samples with.
 """
 from mrl_jax.sampler.batch import DEFAULT_BUCKETS, Rollout, bucket_length, left_pad
-from mrl_jax.sampler.ladder import (SHORT, Ladder, graph_token, ladder, ladder_row_steps, min_row_steps, paged_layout,
-                                    ragged, rungs, slot_count)
+from mrl_jax.sampler.ladder import (SHORT, Ladder, graph_token, ladder_row_steps, min_row_steps, paged_layout, ragged,
+                                    rungs, slot_count)
 from mrl_jax.sampler.oracle import gen_buckets, generate, sample
 from mrl_jax.sampler.rounds import Launched, drive, generate_slots, launch, read, round_program
 from mrl_jax.sampler.sampling import SamplingConfig, row_uniforms, sample_rows
@@ -25,5 +25,5 @@ from mrl_jax.sampler.slots import admit_count, shares_prompts
 
 __all__ = ["SamplingConfig", "row_uniforms", "sample_rows", "Rollout", "left_pad", "bucket_length", "DEFAULT_BUCKETS",
            "generate", "sample", "gen_buckets", "Launched", "launch", "read", "drive", "generate_slots",
-           "round_program", "admit_count", "shares_prompts", "SHORT", "Ladder", "ladder", "rungs", "ragged",
+           "round_program", "admit_count", "shares_prompts", "SHORT", "Ladder", "rungs", "ragged",
            "slot_count", "paged_layout", "graph_token", "min_row_steps", "ladder_row_steps"]

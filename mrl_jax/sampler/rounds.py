@@ -101,22 +101,23 @@ def launch(graphdef, params, prompt_ids, prompt_mask, key, config: SamplingConfi
     """:func:`generate_slots`'s round dispatched, not awaited (arguments as there): a :class:`Launched` that
     :func:`read` fetches, so several policies' rounds run while the first is read."""
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-    prompts, tp = ids.shape
-    g = int(num_samples)
-    rows = prompts * g
-    s, sharding, put = _placement(mesh, rows, slots)
+    num_prompts, tp = ids.shape
+    num_samples = int(num_samples)
+    num_rows = num_prompts * num_samples
+    slots, rows, put = _placement(mesh, num_rows, slots)   # S: the first rung
     width = tp if width is None else int(width)
     if width < tp:
         raise ValueError(f"generate_slots: width {width} is below the prompt width {tp}")
     if width > tp:   # left-padded to the slots' width: one program whatever the round's prompt bucket
         ids, mask = (np.pad(x, ((0, 0), (width - tp, 0))) for x in (ids, mask))
     devices = 1 if mesh is None else int(mesh.devices.size)
-    sizes = rungs(graphdef, params, s, config.max_new_tokens, devices, shrink, ragged=ragged(config.eos_ids, s, rows),
-                  shape=ladder)
-    program = _program(graphdef, config, g, sizes, width, admit_count(s, admit) if s < rows else 0, sharding)
+    sizes = rungs(graphdef, params, slots, config.max_new_tokens, devices, shrink,
+                  ragged=ragged(config.eos_ids, slots, num_rows), ladder=ladder)
+    admit = admit_count(slots, admit) if slots < num_rows else 0   # a slot per row: no queue to refill from
+    program = _program(graphdef, config, num_samples, sizes, width, admit, rows)
     out, counts = program(params, *put((ids, mask, key)))
-    shared = shares_prompts(paged_layout(graphdef, params), s, prompts, g, _split(sharding))
-    return Launched(rollout=out, counts=counts, rungs=sizes, slot_devices=_slot_devices(sharding),
+    shared = shares_prompts(paged_layout(graphdef, params), slots, num_prompts, num_samples, _split(rows))
+    return Launched(rollout=out, counts=counts, rungs=sizes, slot_devices=_slot_devices(rows),
                     shared_prompts=shared, spanning=jax.process_count() > 1 and mesh is not None)
 
 

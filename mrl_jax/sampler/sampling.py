@@ -40,7 +40,8 @@ class SamplingConfig:
     """How to sample. Frozen and hashable: it is a static argument of the samplers' jitted programs.
 
     Attributes:
-      max_new_tokens: N, the number of decode steps (output length). >= 1.
+      max_new_tokens: N, the completion length: tokens sampled per row, token 0 from the prefill (TRL's
+        ``max_completion_length``). >= 1.
       temperature: logits are divided by it before sampling. 0 means greedy.
       top_k: keep the k most likely tokens (0 = off). Applied after temperature, before top_p.
       top_p: nucleus sampling: keep the smallest set of most likely tokens whose (renormalised) mass
@@ -60,9 +61,9 @@ class SamplingConfig:
         tokenizer's vocabulary (released Phi-3: 32064 rows, 32011 tokens; Qwen2.5: 151936, 151665), which decode
         to nothing. The choice and the "sampling" log-probs exclude them; "tempered" / "raw" keep the full
         vocabulary (what the learner scores).
-      cache_bucket: the smallest length bucket of the generated part of the cache (:func:`mrl_jax.sampler.oracle.gen_buckets`);
-        each further bucket doubles it and adds one decode loop to the compiled program (compile time),
-        so the default keeps generations of <= 65 tokens in one loop. The slot sampler's cache is cut in parts
+      cache_bucket: the smallest length bucket of the generated part of the cache
+        (:func:`mrl_jax.sampler.oracle.gen_buckets`); each further bucket doubles it and adds one decode loop to
+        the compiled program (compile time), so the default keeps generations of <= 65 tokens in one loop. The slot sampler's cache is cut in parts
         at the same doubling (:func:`mrl_jax.models.slot_cache.spans`): a decode step reads the parts up to its
         slots' furthest position.
     """

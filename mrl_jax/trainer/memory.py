@@ -119,7 +119,7 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     rungs = sampler_lib.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
                                 pol.spec.sampling.ladder, ragged=sampler_lib.ragged(cfg.eos_ids, S, P * G),
-                                shape=pol.spec.sampling.ladder_shape)
+                                ladder=pol.spec.sampling.ladder_shape)
     admit = sampler_lib.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
     whole = sampler_lib.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
     return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
