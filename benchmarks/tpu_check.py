@@ -160,8 +160,7 @@ def _sampler(run, i: int, new_tokens: int) -> Program:
     cfg = dataclasses.replace(pol.sampling, max_new_tokens=new_tokens)
     S = sampler.slot_count(P * G, pol.slots, d)
     rungs = sampler.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
-                                ragged=sampler.ragged(cfg.eos_ids, S, P * G),
-                                ladder=pol.spec.sampling.ladder_shape)
+                          ragged=sampler.ragged(cfg.eos_ids, S, P * G), ladder=pol.spec.sampling.ladder_shape)
     admit = sampler.admit_count(S) if S < P * G else 0
     fn = sampler.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, mwra.row_sharding(mesh))
     repl = NamedSharding(mesh, mwra.REPLICATED)

@@ -252,7 +252,7 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
         # the round's sampler figures: S = every row on one device, the row-steps of its ladder's moves exactly
         S, lengths = len(texts) * pol.num_generations, np.asarray(out.lengths)
         sizes = sampler_lib.rungs(pol.graphdef, ps.params, S, pol.sampling.max_new_tokens, 1,
-                                    pol.spec.sampling.ladder, ragged=sampler_lib.ragged(pol.sampling.eos_ids, S, S))
+                                  pol.spec.sampling.ladder, ragged=sampler_lib.ragged(pol.sampling.eos_ids, S, S))
         assert fig["sampler/slots"] == S, fig
         assert fig["sampler/row_steps_per_token"] * lengths.sum() == pytest.approx(
             sampler_lib.ladder_row_steps(lengths, sizes)), (fig, sizes)

@@ -4,7 +4,7 @@ At start (before any warm start or round) `plan_memory` lowers every policy's pi
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
 XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
-(`mrl_jax.sampler`: its round's one program) at ``sampling.slots`` when set,
+(`mrl_jax.rollout_slots`: its round's one program) at ``sampling.slots`` when set,
 else at every row when that fits, else at the largest S that does (the plan prints S; none fitting is one
 ``ConfigError`` naming ``sampling.slots`` and the figure). With the persistent compilation cache on, the first
 round loads these programs instead of compiling them again.
@@ -109,7 +109,7 @@ def _update_inputs(run, pol, mesh, Tp: int):
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
-    """The slot sampler's figure at S slots: its round's one program (`sampler.round_program`: the prefill,
+    """The slot sampler's figure at S slots: its round's one program (`rollout_slots.round_program`: the prefill,
     each rung's decode steps and the moves between them) compiled on abstract inputs, with the Pallas kernel
     calls; None where the backend reports none."""
     from mrl_jax.mwra import row_sharding
@@ -118,8 +118,8 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     rungs = sampler_lib.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
-                                pol.spec.sampling.ladder, ragged=sampler_lib.ragged(cfg.eos_ids, S, P * G),
-                                ladder=pol.spec.sampling.ladder_shape)
+                              pol.spec.sampling.ladder, ragged=sampler_lib.ragged(cfg.eos_ids, S, P * G),
+                              ladder=pol.spec.sampling.ladder_shape)
     admit = sampler_lib.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
     whole = sampler_lib.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
     return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]

@@ -141,8 +141,8 @@ class Run:
             self.policies = [dataclasses.replace(p, slots=f.slots) for p, f in zip(self.policies, self.memory.figures)]
 
     def sampler_lines(self) -> list[str]:
-        """One line per policy: its sampler in a train round (`mrl_jax.sampler`): the rows (P x G, P padded
-        to its data axis), the decode slots S and the rungs the round's tail moves down (`mrl_jax.sampler.rungs`)."""
+        """One line per policy: its sampler in a train round (`mrl_jax.rollout_slots`): the rows (P x G, P padded
+        to its data axis), the decode slots S and the rungs the round's tail moves down (`slot_ladder.rungs`)."""
         out = []
         for pol, shapes in zip(self.policies, self._abstract):
             d = int(pol.mesh.devices.size)
