@@ -10,8 +10,8 @@ programs (a change of models, kernels or cache layout compares as a whole). Each
 built once by this checkout's code (assets, prompts, keys, arrays), and each side runs its own library on it:
 
 - ``trl``: ``bench_trl._run_ours`` (rollout + decode + reward + update per GRPO step), seconds per step;
-- ``rollout``: one ``rollout.generate`` call of ``bench_rollout``'s fixed-length llama cases;
-- ``slots``: the same cases through ``rollout_slots.generate_slots`` at S = every row and S = a quarter of them;
+- ``rollout``: one ``sampler.generate`` call of ``bench_rollout``'s fixed-length llama cases;
+- ``slots``: the same cases through ``sampler.generate_slots`` at S = every row and S = a quarter of them;
 - ``update``: ``learner.make_update_step`` on a Qwen2 (h 128, 4 layers, V 512), 8 prompts x 8 samples of 16 + 32
   ragged tokens, probe ``none`` and probe ``sgt`` with 32 peer slots (one filled per prompt); the loss must match;
 - ``see_add``: ``see.add`` of 256 entries at the demo's SEE shape (capacity 2048), 10 % and 50 % successes; the
@@ -69,8 +69,16 @@ class Side:
             self.modules = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] in ROOTS}
             sys.modules.update(saved)
 
-    def module(self, name: str):
-        mod = importlib.import_module(name)
+    def module(self, name: str, *older: str):
+        """``name`` imported from this side (``older``: the names it had in earlier revisions, tried in turn)."""
+        names = (name, *older)
+        for i, name in enumerate(names):
+            try:
+                mod = importlib.import_module(name)
+                break
+            except ModuleNotFoundError as e:
+                if e.name != name or i == len(names) - 1:
+                    raise
         origin = Path(mod.__file__).resolve()
         if self.root.resolve() not in origin.parents:
             raise RuntimeError(f"ab: {name} of side {self.name} was imported from {origin}, not {self.root}")
@@ -142,7 +150,7 @@ def _rollout_cases(side: Side, work: dict):
     import jax
     from flax import nnx
 
-    models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.rollout")
+    models, rollout = side.module("mrl_jax.models"), side.module("mrl_jax.sampler", "mrl_jax.rollout")
     for name, case in work.items():
         if side.name not in case:
             case[side.name] = nnx.split(models.from_pretrained(case["dir"]))
@@ -165,7 +173,7 @@ def _rollout_measure(side: Side, work: dict) -> dict:
     with side.active():
         import jax
 
-        rollout = side.module("mrl_jax.rollout")
+        rollout = side.module("mrl_jax.sampler", "mrl_jax.rollout")
         for name, graphdef, params, cfg, ids, mask, g in _rollout_cases(side, work):
             extra = {"num_samples": g} if g > 1 else {}
             seconds, r = _timed(lambda: jax.block_until_ready(rollout.generate(graphdef, params, ids, mask,
@@ -180,7 +188,7 @@ def _slots_measure(side: Side, work: dict) -> dict:
     with side.active():
         import jax
 
-        slots = side.module("mrl_jax.rollout_slots")
+        slots = side.module("mrl_jax.sampler", "mrl_jax.rollout_slots")
         for name, graphdef, params, cfg, ids, mask, g in _rollout_cases(side, work):
             rows = ids.shape[0] * g
             for s in (rows, max(1, rows // 4)):

@@ -33,8 +33,7 @@ def bench(P: int, G: int, Tp: int, N: int, hidden: int, layers: int, stop: int |
     from flax import nnx
 
     from mrl_jax import models
-    from mrl_jax.rollout import SamplingConfig, generate
-    from mrl_jax.rollout_slots import generate_slots
+    from mrl_jax.sampler import SamplingConfig, generate, generate_slots
 
     gd, params = nnx.split(models.tiny_model("llama", 512, seed=0, hidden_size=hidden, intermediate_size=2 * hidden,
                                              num_layers=layers, num_heads=4, num_kv_heads=2))

@@ -1,4 +1,5 @@
-"""Rollout throughput: mrl_jax.rollout.generate vs transformers' generate (torch CPU), SAME weights.
+"""Rollout throughput: mrl_jax.sampler.generate (the static sampler) vs transformers' generate (torch CPU), SAME
+weights.
 
 For each model family a small random model is built with ``transformers`` (torch), saved with
 ``save_pretrained`` to a temp dir and loaded with ``mrl_jax.models.from_pretrained``; both samplers then
@@ -14,7 +15,7 @@ top-k/top-p) for the same left-padded prompt batch. Reported: generated tokens/s
 ``--lengths longtail``: completion lengths roughly geometric with mean ~ max_new_tokens / 8 (the tiny model's
 logits are near uniform, and a stop set of V * 8 / N token ids gives each step a ~8 / N chance to end the
 row). Compares the static sampler (``generate``: every row decodes until the longest ends), the slot sampler
-(``mrl_jax.rollout_slots.generate_slots`` at a few slot counts S: rows enter as slots free; at S = every row also
+(``mrl_jax.sampler.generate_slots`` at a few slot counts S: rows enter as slots free; at S = every row also
 on a fine ladder, ``Ladder(0.9, 1)``) and
 ``transformers.generate`` with the same stop set: decode row-steps computed per kept token (S per decode step
 run) and programs compiled per call over a few keys (a run's rounds; load-independent, also with ``--untimed``),
@@ -58,14 +59,14 @@ SLOT_VARIANTS = {"slots_all": (1, None), "slots_all_fine": (1, (0.9, 1)), "slots
 
 
 # ladders the default S (every row) could move down, to read off what a row-step target costs in decode programs:
-# (ratio between rungs, the last rung's floor) of `slot_ladder.Ladder`; "default" is its default
+# (ratio between rungs, the last rung's floor) of `mrl_jax.sampler.Ladder`; "default" is its default
 LADDERS = {"halving_to_8": (0.5, 8), "halving_to_1": (0.5, 1), "four_per_doubling_to_1": (2 ** -0.25, 1),
            "eight_per_doubling_to_1": (2 ** -0.125, 1), "ratio_0.9_to_1": (0.9, 1)}
 
 
 def slot_variants(rows: int) -> dict:
-    """{name: (S, slot_ladder.Ladder)} of :data:`SLOT_VARIANTS` for ``rows`` rows."""
-    from mrl_jax.slot_ladder import Ladder
+    """{name: (S, sampler.Ladder)} of :data:`SLOT_VARIANTS` for ``rows`` rows."""
+    from mrl_jax.sampler import Ladder
 
     return {name: (max(1, rows // f), Ladder(*(shape or ()))) for name, (f, shape) in SLOT_VARIANTS.items()}
 PLAN = {
@@ -150,7 +151,7 @@ def bench_family(family: str, s: dict) -> dict:
 
     from mrl_jax import models
     from mrl_jax.bench.load import section
-    from mrl_jax.rollout import SamplingConfig, generate
+    from mrl_jax.sampler import SamplingConfig, generate
 
     hf = _hf_model(family, s)
     ids, mask = _prompts(s, s["vocab"])
@@ -241,7 +242,7 @@ def _slots_fn(graphdef, params, ids, mask, key, cfg, g: int):
     call (GRPO's layout: an in-process A/B with the static ``generate``)."""
     import jax
 
-    from mrl_jax.rollout_slots import generate_slots
+    from mrl_jax.sampler import generate_slots
 
     def fn():
         key[0], k = jax.random.split(key[0])
@@ -265,7 +266,7 @@ def _longtail_setup(s: dict):
     from flax import nnx
 
     from mrl_jax import models
-    from mrl_jax.rollout import SamplingConfig
+    from mrl_jax.sampler import SamplingConfig
 
     hf = _hf_model("llama", s)
     ids, mask = _prompts(s, s["vocab"])
@@ -284,8 +285,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
     import jax
 
     from mrl_jax.trainer.compile_stats import CompileCounter
-    from mrl_jax.rollout import generate
-    from mrl_jax.rollout_slots import Ladder, generate_slots, ladder, ladder_row_steps, min_row_steps
+    from mrl_jax.sampler import Ladder, generate, generate_slots, ladder_row_steps, min_row_steps
 
     g, b = s["samples"], s["batch"]
     jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
@@ -315,7 +315,7 @@ def longtail_counts(s: dict, graphdef, params, ids, mask, cfg) -> dict:
                         f"{name}_bound": min_row_steps(out.lengths, stats["slots"]),
                         f"{name}_logprob_max_diff": float(np.abs(out.logprobs - static.logprobs).max())})
     kept, names = sum(x["kept"] for x in rows), ("static",) + tuple(variants)
-    ladders = {"default": ladder(b), **{k: ladder(b, shape=Ladder(*v)) for k, v in LADDERS.items()}}
+    ladders = {"default": Ladder().rungs(b), **{k: Ladder(*v).rungs(b) for k, v in LADDERS.items()}}
     ladder_steps = {k: sum(ladder_row_steps(x["lengths"], v) for x in rows) / kept for k, v in ladders.items()}
     return {"rounds": rows, "tokens_identical": True, "slots": {k: v[0] for k, v in variants.items()},
             "ladder_shapes": {k: [v[1].ratio, v[1].floor] for k, v in variants.items()},
@@ -332,8 +332,7 @@ def bench_longtail(s: dict, timed: bool = True) -> dict:
     import torch
 
     from mrl_jax.bench.load import section
-    from mrl_jax.rollout import generate
-    from mrl_jax.rollout_slots import generate_slots
+    from mrl_jax.sampler import generate, generate_slots
 
     hf, ids, mask, graphdef, params, stops, cfg = _longtail_setup(s)
     b, n, g, tp = s["batch"], s["new_tokens"], s["samples"], ids.shape[1]

@@ -18,7 +18,7 @@ One step = rollout (sampling) + decode + reward + update (log-prob forward, back
   ``generation_batch_size=64`` -> one generation per optimizer step, ``gradient_accumulation_steps=1``).
   Step time = interval between consecutive ``on_step_end`` callbacks (so data loading, generation, reward,
   loss and optimizer are all inside).
-- ours: ``mrl_jax.rollout.generate`` (jitted, KV cache) -> host decode + reward -> ``rows.own_rows`` ->
+- ours: ``mrl_jax.sampler.generate`` (jitted, KV cache) -> host decode + reward -> ``rows.own_rows`` ->
   ``learner.make_update_step`` (one jitted update, probe "none", one policy), timed per step with
   ``block_until_ready`` on the new params (wall clock of the whole Python step).
 
@@ -165,7 +165,8 @@ def _run_ours(hf_tok, model_dir: str, warmup: int, steps: int, shape: dict, prom
     import jax.numpy as jnp
     from flax import nnx
 
-    from mrl_jax import learner, rollout, see
+    from mrl_jax import learner, see
+    from mrl_jax import sampler as rollout
     from mrl_jax.rows import own_rows
     from mrl_jax.models import from_pretrained
 

@@ -15,7 +15,7 @@ Sections (in order; see ``SECTIONS``):
   model           random-init Qwen2.5-0.5B-shaped model (vocab 151936, hidden 896, 24 layers, 14 q /
                   2 kv heads, head_dim 64, SwiGLU 4864, qkv bias, tied head, bf16 params & compute).
   generate_b64, generate_b256
-                  ``mrl_jax.rollout.generate``: 128-token prompts (left-padded, varied lengths), 256 new
+                  ``mrl_jax.sampler.generate``: 128-token prompts (left-padded, varied lengths), 256 new
                   tokens, multinomial T=1, no EOS stop. Reports: compile time, end-to-end tokens/s,
                   prefill time (a max_new_tokens=1 call), decode-only step time
                   (t_256 - t_1) / 255, and the HBM roofline fraction:
@@ -30,7 +30,7 @@ Sections (in order; see ``SECTIONS``):
                   and the early-stop while_loop (eos set, never hit) vs the fixed-trip loop.
   update_long_seq the update at 16 x (256 + 4096) tokens with remat + blockwise attention: compiled memory,
                   peak device memory, MFU.
-  slots_longtail  ``rollout_slots.generate_slots`` (S = every row, with and without the ladder) against
+  slots_longtail  ``sampler.generate_slots`` (S = every row, with and without the ladder) against
                   ``generate`` on long-tailed lengths: seconds, compiles, row-steps per kept token.
   cudnn_attention the update's attention (prompt-once-per-group layout, forward + backward) and the prefill's
                   (causal, left-padded, forward) through ``attention="cudnn"`` (cuDNN flash via
@@ -218,7 +218,7 @@ def measure_generation(ctx: Context, b: int, tp: int, n: int, config_kw: dict | 
                        repeats: int = 3, with_prefill: bool = True) -> dict:
     import jax
 
-    from mrl_jax.rollout import SamplingConfig, generate
+    from mrl_jax.sampler import SamplingConfig, generate
 
     if ctx.params is None:
         build_model(ctx)
@@ -310,8 +310,7 @@ def section_slots_longtail(ctx: Context) -> dict:
     fraction of tokens equal to the static sampler's (bf16: the two attention paths may round apart)."""
     import jax
 
-    from mrl_jax.rollout import SamplingConfig, generate
-    from mrl_jax.rollout_slots import generate_slots
+    from mrl_jax.sampler import SamplingConfig, generate, generate_slots
 
     if ctx.params is None:
         build_model(ctx)

@@ -150,7 +150,7 @@ def _sampler(parts, i: int, new_tokens: int) -> Program:
     second output's first count is the decode steps."""
     from jax.sharding import NamedSharding
 
-    from mrl_jax import mwra, rollout_slots
+    from mrl_jax import mwra, sampler
     from mrl_jax.trainer.memory import _key, padded_prompts
 
     pol, mesh = parts.policies[i], parts.placement.meshes[i]
@@ -158,12 +158,11 @@ def _sampler(parts, i: int, new_tokens: int) -> Program:
     d, Tp = int(mesh.devices.size), parts.widths[i]
     P, G = padded_prompts(parts, d), pol.num_generations
     cfg = dataclasses.replace(pol.sampling, max_new_tokens=new_tokens)
-    S = rollout_slots.slot_count(P * G, pol.spec.sampling.slots, d)
-    rungs = rollout_slots.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
-                                ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G),
-                                shape=pol.spec.sampling.ladder_shape)
-    admit = rollout_slots.admit_count(S) if S < P * G else 0
-    fn = rollout_slots.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, mwra.row_sharding(mesh))
+    S = sampler.slot_count(P * G, pol.spec.sampling.slots, d)
+    rungs = sampler.rungs(pol.graphdef, params, S, new_tokens, d, pol.spec.sampling.ladder,
+                          ragged=sampler.ragged(cfg.eos_ids, S, P * G), ladder=pol.spec.sampling.ladder_shape)
+    admit = sampler.admit_count(S) if S < P * G else 0
+    fn = sampler.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, mwra.row_sharding(mesh))
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
     return Program(pol.name, f"sampler at {new_tokens} tokens", fn, (params, ids, mask, _key(mesh)),

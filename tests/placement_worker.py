@@ -40,7 +40,7 @@ import worker_result  # noqa: E402
 
 support.enable_compile_cache()
 
-from mrl_jax import mwra, rollout_slots  # noqa: E402
+from mrl_jax import mwra, sampler  # noqa: E402
 from mrl_jax.tasks import RewardScorer  # noqa: E402
 from mrl_jax.trainer.checkpoint import RunCheckpointer  # noqa: E402
 from mrl_jax.trainer.loop import Run, train  # noqa: E402
@@ -119,7 +119,7 @@ def main(root: Path) -> dict:
         with jax.transfer_guard("disallow"):
             pol = run.policies[0]
             ids = np.zeros((4, 3), np.int32)
-            whole = rollout_slots.round_program(pol.graphdef, pol.sampling, pol.num_generations,
+            whole = sampler.round_program(pol.graphdef, pol.sampling, pol.num_generations,
                                                 (4 * pol.num_generations,), 3, 0,
                                                 mwra.row_sharding(pol.mesh))   # the sampler's pinned round
             whole(state.policies[0].params, ids, ids.astype(bool), jax.random.key(0))

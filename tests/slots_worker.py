@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 import worker_result
 from mrl_jax import models, mwra
-from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import _compact, _decode, _start, generate_slots
+from mrl_jax.sampler import SamplingConfig, generate, generate_slots, left_pad
+from mrl_jax.sampler.slots import _compact, _decode, _start
 from mrl_jax.trainer.placement import pad_prompts
 
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]

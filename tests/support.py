@@ -114,10 +114,10 @@ def release_compiled_programs(budget: int) -> bool:
         return False
     import jax
 
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     jax.clear_caches()
-    rollout_slots._PROGRAMS.clear()
+    rounds._PROGRAMS.clear()
     return True
 
 

@@ -11,7 +11,7 @@ import pytest
 from mrl_jax import models
 from mrl_jax.tokenization.chat import ChatTemplateError, PromptFormat, read_chat_template, stop_ids
 from mrl_jax.configs import ConfigError, from_dict
-from mrl_jax.rollout import SamplingConfig, generate
+from mrl_jax.sampler import SamplingConfig, generate
 from mrl_jax.tokenization import load_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts

@@ -118,7 +118,7 @@ def test_max_prompt_length_beyond_the_positions_is_refused_at_start(tmp_path):
 
 @pytest.mark.parametrize("longest, limit", [(1, 5), (7, 7), (9, 12), (100, 130), (300, 506), (513, 1000)])
 def test_prompt_width_is_a_bucket_cut_at_the_limit(longest, limit):
-    from mrl_jax.rollout import bucket_length
+    from mrl_jax.sampler import bucket_length
     from mrl_jax.trainer.encoding import PROMPT_BUCKETS, encode_prompts
 
     tok = train_tokenizer("char", ["xy"], 300)

@@ -150,7 +150,7 @@ def test_sampler_cache_equals_full_forward(family):
     """generate (prompt-shared cache, G = 2) logprobs == the full forward's; gemma's window 3 is shorter than
     prompt + completion, so both the sliding and the global layer's masks are exercised."""
     from mrl_jax import models
-    from mrl_jax.rollout import SamplingConfig, generate, left_pad
+    from mrl_jax.sampler import SamplingConfig, generate, left_pad
 
     extra = {"sliding_window": 3} if family == "gemma3_text" else {}
     g, p = nnx.split(models.tiny_model(family, 61, seed=3, hidden_size=32, intermediate_size=64, **extra))

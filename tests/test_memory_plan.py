@@ -19,7 +19,8 @@ from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.mwra.memory_plan import (PolicyMemory, StepMemory, device_use, devices_needed, largest_fitting,
                                       over_limit, tree_bytes)
-from mrl_jax.slot_ladder import SHORT, graph_token
+from mrl_jax.sampler import SHORT, graph_token
+from mrl_jax.sampler import rounds
 from mrl_jax.trainer import memory
 from mrl_jax.trainer.run import Run
 
@@ -155,7 +156,7 @@ def test_cpu_without_memory_gb_compiles_nothing():
     assert pol.slot_width == _width(run, pol) > 0 and pol.slots is None
 
 
-LONG = {"max_new_tokens": 40}   # past slot_ladder.SHORT: a round long enough for the ladder
+LONG = {"max_new_tokens": 40}   # past sampler.SHORT: a round long enough for the ladder
 
 
 @pytest.mark.parametrize("overrides, line", [
@@ -344,15 +345,15 @@ def test_the_samplers_figure_is_the_program_it_runs(planned, new, part):
     P, Tp = 4 * d, 8
     S = P * G // part
     ids = np.ones((P, Tp), np.int32)
-    memory.rollout_slots.generate_slots(pol.graphdef, params, ids, ids > 0, jax.random.key(0), pol.sampling,
+    rounds.generate_slots(pol.graphdef, params, ids, ids > 0, jax.random.key(0), pol.sampling,
                                         num_samples=G, slots=S, mesh=mesh, shrink=pol.spec.sampling.ladder)
-    (key,) = [k for k in memory.rollout_slots._PROGRAMS   # equal GraphDefs share a token: the round's width and mesh
+    (key,) = [k for k in rounds._PROGRAMS   # equal GraphDefs share a token: the round's width and mesh
               if k[0] == graph_token(pol.graphdef) and k[1:3] == (pol.sampling, G) and k[3][0] == S and k[4] == Tp
               and k[6] == mwra.row_sharding(mesh)]
     assert (len(key[3]) > 1) == (new > SHORT and part == 1) and (key[5] > 0) == (part > 1), key[3:6]   # rungs, admit
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (np.int32, np.bool_))
-    mem = memory.rollout_slots._PROGRAMS[key].lower(params, ids, mask, memory._key(mesh)).compile().memory_analysis()
+    mem = rounds._PROGRAMS[key].lower(params, ids, mask, memory._key(mesh)).compile().memory_analysis()
     fig = memory._slot_memory(pol, mesh, params, P, Tp, S)
     assert (fig.args, fig.out, fig.temp) == (mem.argument_size_in_bytes, mem.output_size_in_bytes,
                                              mem.temp_size_in_bytes), fig

@@ -557,7 +557,7 @@ def test_empty_and_non_roundtrip_completions_flow_through(tmp_path, monkeypatch)
     """Row 0 of every group ends at once (empty completion); row 1 of the byte-BPE policy is a lone UTF-8
     lead byte (text that does not survive retokenization): the run completes and THL reports them."""
     import mrl_jax.trainer.round as round_mod
-    from mrl_jax.rollout_slots import drive
+    from mrl_jax.sampler import drive
 
     from mrl_jax.trainer.loop import build_task, task_corpus
     from mrl_jax.trainer.policy import build_tokenizer

@@ -1,4 +1,4 @@
-"""mrl_jax.rollout: KV-cache sampler against a no-cache full forward of the same tiny models."""
+"""mrl_jax.sampler.oracle (the static sampler): KV-cache sampler against a no-cache full forward of the same tiny models."""
 import functools
 
 import jax
@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 from mrl_jax import models
-from mrl_jax import rollout as ro
-from mrl_jax.rollout import SamplingConfig, bucket_length, generate, left_pad, nucleus_mask, sample_step
+from mrl_jax.sampler import SamplingConfig, bucket_length, generate, left_pad
+from mrl_jax.sampler import oracle as ro
+from mrl_jax.sampler.sampling import nucleus_mask, row_uniforms, sample_step
 
 VOCAB = 61
 N_NEW = 7
@@ -357,8 +358,8 @@ def test_padding_rows_do_not_change_the_real_rows(llama, extra):
     # Log-probs to float32 rounding: another batch size changes XLA:CPU's matmul blocking, so the same row's
     # logits can differ in the last bits (seen: 1.4e-6 on a log-prob of -4.08); the tokens above are exact.
     np.testing.assert_allclose(np.asarray(padded.logprobs)[:rows], np.asarray(base.logprobs), atol=1e-5, rtol=1e-5)
-    u = np.asarray(ro.row_uniforms(key, rows + 2, N_NEW))
-    np.testing.assert_array_equal(u[:rows], np.asarray(ro.row_uniforms(key, rows, N_NEW)))
+    u = np.asarray(row_uniforms(key, rows + 2, N_NEW))
+    np.testing.assert_array_equal(u[:rows], np.asarray(row_uniforms(key, rows, N_NEW)))
     np.testing.assert_array_equal(u[4], np.asarray(jax.random.uniform(jax.random.fold_in(key, 4), (N_NEW, 2))))
 
 

@@ -7,10 +7,9 @@ from flax import nnx
 
 from mrl_jax import models
 from mrl_jax.trainer.compile_stats import CompileCounter
-from mrl_jax.rollout import SamplingConfig, generate, left_pad
-from mrl_jax.rollout_slots import (drive, generate_slots, ladder, ladder_row_steps, min_row_steps, paged_layout,
-                                   ragged, slot_count, slot_rollout, trace_count)
-from mrl_jax.slot_ladder import SHORT, Ladder, graph_token, rungs
+from mrl_jax.sampler import (SHORT, Ladder, SamplingConfig, drive, generate, generate_slots, graph_token,
+                             ladder_row_steps, launch, left_pad, min_row_steps, paged_layout, ragged, rungs, slot_count)
+from mrl_jax.sampler.slots import trace_count
 
 VOCAB = 61
 PROMPTS = [[1, 5, 9, 14], [1, 22], [1, 3, 4, 5, 6, 7]]
@@ -70,6 +69,7 @@ def test_the_tail_moves_to_fewer_slots(llama):
     below what 36 fixed slots take at least (the bound, which they reach
     without it); later keys (other lengths) compile nothing."""
     # 3/4 steps above 32 slots (to 2^k or 3 * 2^k), halves below, floor 8; multiples of the devices
+    ladder = Ladder().rungs   # the default ladder
     assert ladder(36) == (36, 24, 12) and ladder(128) == (128, 96, 64, 48, 32, 16, 8) and ladder(12) == (12,)
     assert ladder(36, 4) == (36, 24, 12, 8) and ladder(128, shrink=False) == (128,) and ladder(1) == (1,)
     assert ladder(100) == (100, 64, 48, 32, 16, 8) and ladder(48, 6) == (48, 36, 24, 12) and ladder(18) == (18, 8)
@@ -103,10 +103,10 @@ def test_a_ladder_with_a_ratio_trades_rungs_for_row_steps(llama):
     """``Ladder(ratio, floor)``: each rung at most ratio x the one above (at least one multiple fewer), down to the
     floor; a round on it keeps the static sampler's tokens and takes exactly its ladder's row-steps, fewer than on
     the default rungs; a ratio outside (0, 1) or a floor below 1 is refused naming the config key."""
-    assert ladder(36, shape=Ladder(0.5, 1)) == (36, 18, 9, 4, 2, 1)
-    assert ladder(36, 4, shape=Ladder(0.9, 4)) == (36, 32, 28, 24, 20, 16, 12, 8, 4)   # at least 4 fewer each rung
-    assert ladder(128, shape=Ladder(0.999, 1)) == tuple(range(128, 64, -1))   # 64 rungs at most
-    assert ladder(12, shape=Ladder(floor=12)) == (12,) and ladder(36, shape=Ladder(floor=20)) == (36, 24)
+    assert Ladder(0.5, 1).rungs(36) == (36, 18, 9, 4, 2, 1)
+    assert Ladder(0.9, 4).rungs(36, 4) == (36, 32, 28, 24, 20, 16, 12, 8, 4)   # at least 4 fewer each rung
+    assert Ladder(0.999, 1).rungs(128) == tuple(range(128, 64, -1))   # 64 rungs at most
+    assert Ladder(floor=12).rungs(12) == (12,) and Ladder(floor=20).rungs(36) == (36, 24)
     for bad, key in (({"ratio": 1.0}, "ladder_ratio"), ({"ratio": 0.0}, "ladder_ratio"), ({"floor": 0}, "ladder_floor")):
         with pytest.raises(ValueError, match=f"sampling.{key} must be"):
             Ladder(**bad)
@@ -115,11 +115,11 @@ def test_a_ladder_with_a_ratio_trades_rungs_for_row_steps(llama):
     key = jax.random.key(21)
     ref = jax.device_get(generate(g, p, ids, mask, key, cfg, num_samples=12))
     lengths = np.asarray(ref.lengths)
-    fine = ladder(36, shape=Ladder(0.8, 2))
+    fine = Ladder(0.8, 2).rungs(36)
     assert fine == (36, 28, 22, 17, 13, 10, 8, 6, 4, 3, 2)
     out, stats = generate_slots(g, p, ids, mask, key, cfg, num_samples=12, ladder=Ladder(0.8, 2))
     _assert_same(out, ref)
-    assert stats["row_steps"] == ladder_row_steps(lengths, fine) < ladder_row_steps(lengths, ladder(36)), stats
+    assert stats["row_steps"] == ladder_row_steps(lengths, fine) < ladder_row_steps(lengths, Ladder().rungs(36)), stats
     assert stats["rungs"] == fine[:len(stats["rungs"])] and len(stats["rungs"]) > 3, stats
 
 
@@ -129,14 +129,14 @@ def test_a_round_is_one_program_holding_every_rung(llama):
     rows move further compiles nothing. Rows that can only end together (no stop id, a slot per row) keep one rung:
     nothing could move; with fewer slots than rows they enter, and so end, at different steps: the ladder again.
     N = 39 / 37: shapes no other test compiles."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     g, p, ids, mask = llama
 
     def program(cfg, slots=36):   # the memoised round program of this config at S = slots, and its rungs
-        (k,) = [k for k in rollout_slots._PROGRAMS
+        (k,) = [k for k in rounds._PROGRAMS
                 if k[0] == graph_token(g) and k[1] == cfg and k[3][0] == slots]
-        return rollout_slots._PROGRAMS[k], k[3]
+        return rounds._PROGRAMS[k], k[3]
 
     for n, guard in ((39, "allow"), (37, "disallow")):
         cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16, temperature=0.9)
@@ -154,7 +154,7 @@ def test_a_round_is_one_program_holding_every_rung(llama):
         assert sizes == (36, 24, 12) and stats["rungs"] == program(free)[1] == (36,), (sizes, stats)
         assert loops - str(jax.make_jaxpr(program(free)[0])(p, ids, mask, key)).count(" while[") == 2   # a loop a rung
         generate_slots(g, p, ids, mask, key, free, num_samples=12, slots=24)
-        assert program(free, 24)[1] == ladder(24) == (24, 12)
+        assert program(free, 24)[1] == Ladder().rungs(24) == (24, 12)
 
 
 def _stop_set(tokens: np.ndarray) -> tuple:
@@ -183,9 +183,9 @@ def test_rows_ending_at_step_0_or_never(llama, g, slots):
     out, stats = generate_slots(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots)
     _assert_same(out, ref)
     assert stats["shared_prompts"] == (slots == 9), stats   # G 3 every row: row ``first``'s slot free from step 0
-    other = slot_rollout(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
+    other = launch(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
     st: list = []
-    both = drive([slot_rollout(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots), other, ref], st)
+    both = drive([launch(gd, p, ids, mask, key, cfg, num_samples=g, slots=slots), other, ref], st)
     alone, _ = generate_slots(gd, p, ids[:2], mask[:2], jax.random.key(6), cfg, num_samples=g, slots=slots)
     np.testing.assert_array_equal(both[0].tokens, out.tokens)
     np.testing.assert_array_equal(both[1].tokens, alone.tokens)
@@ -215,7 +215,7 @@ def test_sliding_window_and_learned_positions(family, attention):
         ref = jax.device_get(generate(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6))
         before = trace_count()
         out, stats = generate_slots(gd, p, ids, mask, jax.random.key(5), cfg, num_samples=6)
-        assert stats["rungs"] == (18,) and trace_count() - before == 1 and ladder(18) == (18, 8)
+        assert stats["rungs"] == (18,) and trace_count() - before == 1 and Ladder().rungs(18) == (18, 8)
         _assert_same(out, ref)
 
 
@@ -251,25 +251,25 @@ def test_a_round_is_one_program_call(llama, n, shrink, g, slots):
     without the ladder), moves down the ladder, a queue refilling fewer slots than rows --, read once at its end,
     and its tokens equal the static sampler's, rows ending at step 0 included; with a slot per row and one rung its
     decode steps and row-steps are the static sampler's."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     gd, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=n, pad_id=0, eos_id=(7, 19, 33), cache_bucket=8)
     key = jax.random.key(4)
     kw = dict(num_samples=g, slots=slots, shrink=shrink)
     generate_slots(gd, p, ids, mask, key, cfg, **kw)   # its program, memoised
-    (name,) = [k for k in rollout_slots._PROGRAMS if k[0] == graph_token(gd) and k[1] == cfg and k[2] == g and
+    (name,) = [k for k in rounds._PROGRAMS if k[0] == graph_token(gd) and k[1] == cfg and k[2] == g and
                k[3][0] == (slots or 3 * g) and len(k[3]) == (3 if shrink and g == 12 else 1)]
-    program, calls = rollout_slots._PROGRAMS[name], []
+    program, calls = rounds._PROGRAMS[name], []
 
     def counted(*a):
         calls.append(a)
         return program(*a)
-    rollout_slots._PROGRAMS[name] = counted
+    rounds._PROGRAMS[name] = counted
     try:
         out, stats = generate_slots(gd, p, ids, mask, key, cfg, **kw)
     finally:
-        rollout_slots._PROGRAMS[name] = program
+        rounds._PROGRAMS[name] = program
     ref = jax.device_get(generate(gd, p, ids, mask, key, cfg, num_samples=g))
     _assert_same(out, ref)
     assert (ref.lengths == 1).any() and not ref.truncated.all()   # rows ending at step 0 and before N
@@ -308,7 +308,7 @@ def test_a_free_slot_attends_over_one_entry(llama):
     """Once the queue is empty, a slot left free runs its step at position 0 (length 1: the TPU kernel reads one
     page of it, not the length of the row that left it); a live slot at its row's position. One step per call; the
     positions a step runs at are those the state carries into it (set by the step before, or the admit)."""
-    from mrl_jax.rollout_slots import _advance, _busy, _start
+    from mrl_jax.sampler.slots import _advance, _busy, _start
 
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=40, pad_id=0, eos_id=(7, 19, 33), temperature=1.0)
@@ -316,7 +316,7 @@ def test_a_free_slot_attends_over_one_entry(llama):
     step = jax.jit(lambda params, pr, s: _advance(nnx.merge(g, params), pr, s, cfg, 4, 2, None))
     plen, idle = np.asarray(mask).sum(-1), 0
     while bool(jax.jit(_busy)(prompts, st)):
-        row, step_at, drained = np.asarray(st.row), np.asarray(st.step), int(st.ptr) == int(prompts.count)
+        row, step_at, drained = np.asarray(st.row), np.asarray(st.step), int(st.taken) == int(prompts.queued)
         qpos = np.asarray(st.cache.qpos)
         st = step(p, prompts, st)
         if drained:   # nothing admitted at this step: the slots free before it stayed free through it
@@ -332,7 +332,7 @@ def test_no_refill_where_no_row_can_queue(llama):
     slots than rows: with a slot per row, and at every rung below the first (reached with the queue empty), the
     step has no admit conditional to evaluate (the attention's switch over cache parts stays, the same at every
     rung). The sampler's round programs say which they run."""
-    from mrl_jax import rollout_slots
+    from mrl_jax.sampler import rounds
 
     g, p, ids, mask = llama
     cfg = SamplingConfig(max_new_tokens=41, pad_id=0, eos_id=(7, 19, 33), cache_bucket=16)   # N: this test's own
@@ -340,8 +340,8 @@ def test_no_refill_where_no_row_can_queue(llama):
 
     def conds(slots):   # conditionals in the round's program
         generate_slots(g, p, ids, mask, key, cfg, num_samples=12, slots=slots)
-        (prog,) = [v for k, v in rollout_slots._PROGRAMS.items()
-                   if k[0] == graph_token(g) and k[1] == cfg and k[3] == ladder(slots)]
+        (prog,) = [v for k, v in rounds._PROGRAMS.items()
+                   if k[0] == graph_token(g) and k[1] == cfg and k[3] == Ladder().rungs(slots)]
         return str(jax.make_jaxpr(prog)(p, ids, mask, key)).count(" cond[")
     every_row, queued = conds(36), conds(24)   # rungs (36, 24, 12) and (24, 12)
     per_rung = every_row // 3

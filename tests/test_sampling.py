@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mrl_jax import see as see_lib
-from mrl_jax.sampling import SamplingConfig, sample_rows
+from mrl_jax.sampler import SamplingConfig, sample_rows
 from mrl_jax.trainer import round as round_mod
 
 

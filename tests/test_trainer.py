@@ -236,7 +236,7 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
 
     import jax
 
-    from mrl_jax import rollout_slots
+    from mrl_jax import sampler as sampler_lib
     from mrl_jax.trainer.placement import mesh_generate
     from mrl_jax.trainer.round import RoundKeys, _rollouts
 
@@ -251,11 +251,11 @@ def test_round_keys_are_named_streams_and_each_policy_samples_with_its_own():
     for pol, ps, (ids, mask, out), fig in zip(run.policies, state.policies, sampled, samplers):
         # the round's sampler figures: S = every row on one device, the row-steps of its ladder's moves exactly
         S, lengths = len(texts) * pol.num_generations, np.asarray(out.lengths)
-        sizes = rollout_slots.rungs(pol.graphdef, ps.params, S, pol.sampling.max_new_tokens, 1,
-                                    pol.spec.sampling.ladder, ragged=rollout_slots.ragged(pol.sampling.eos_ids, S, S))
+        sizes = sampler_lib.rungs(pol.graphdef, ps.params, S, pol.sampling.max_new_tokens, 1,
+                                  pol.spec.sampling.ladder, ragged=sampler_lib.ragged(pol.sampling.eos_ids, S, S))
         assert fig["sampler/slots"] == S, fig
         assert fig["sampler/row_steps_per_token"] * lengths.sum() == pytest.approx(
-            rollout_slots.ladder_row_steps(lengths, sizes)), (fig, sizes)
+            sampler_lib.ladder_row_steps(lengths, sizes)), (fig, sizes)
         same = mesh_generate(pol, ps.params, ids, mask, keys.rollout[pol.index], pol.sampling,
                              num_samples=pol.num_generations)
         other = mesh_generate(pol, ps.params, ids, mask, keys.update[pol.index], pol.sampling,

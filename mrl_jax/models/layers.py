@@ -272,7 +272,7 @@ class CausalLM(nnx.Module):
         h, cache = self.decode_hidden(input_ids, positions, cache, cache_index, kv_mask)
         return self.head(h), cache
 
-    # -- the sampler's prompt-shared cache (mrl_jax.rollout)
+    # -- the sampler's prompt-shared cache (mrl_jax.sampler.oracle)
     def prefill_shared(self, input_ids: jax.Array, positions: jax.Array, prompt_mask: jax.Array, *,
                        num_rows: int, gen_len: int) -> Tuple[jax.Array, SampleCache]:
         """Prefill P prompts ONCE: (final-norm hidden state of the last prompt position [P, D], SampleCache

@@ -1,4 +1,7 @@
-"""The slot sampler's KV cache and its decode step's attention (`mrl_jax.rollout_slots`).
+"""The slot sampler's KV cache and its decode step's attention (`mrl_jax.sampler.slots`).
+
+Names as the sampler's: S slots, P prompts, G samples per prompt, N the completion length (a slot's N - 1
+generated entries), W the slots' prompt width (``width``: the prompt columns a slot or the prompt store holds).
 
 S decode slots, each holding one row's entries: its prompt's keys / values (positions [0, plen), left-aligned)
 and its generated tokens' (generated entry j: position plen + j). A decode step feeds its token at position
@@ -8,7 +11,7 @@ to keep. Two layouts, per layer:
 
 * ``heads`` (CPU, GPU): keys [S, K, D, w] / values [S, K, w, D] in parts, the generated entries cut at
   :func:`spans` ``(N - 1)`` (a quarter, a half and all of them, or doubling from 64 when N is short), the first
-  part led by the slot's prompt (Tc columns, Tc the prompt width: generated entry j is column Tc + j);
+  part led by the slot's prompt (W columns: generated entry j is column W + j);
   heads-major, keys slot-minor, so the step's two matmuls read the cache in place (as
   :class:`mrl_jax.models.SampleCache`). A step reads the parts up to the first span past every slot's entry (a
   ``lax.switch`` over the spans, one program): a round whose slots hold short rows reads short spans, as the
@@ -18,11 +21,11 @@ to keep. Two layouts, per layer:
   same entry: all enter at step 1, none refills, and a free slot steps with the live ones): the parts hold the
   generated entries only, a step writes one column of every slot (a dynamic-update-slice, as the static
   sampler's), and it reads each prompt's entries
-  from the sampler's prompt store (keys [P, K, D, Tc], values [P, K, Tc, D], attached for the step as ``pk`` /
-  ``pv``) once for its G slots (one [G * g, D] x [D, Tc] matmul per prompt and head, merged into the parts'
+  from the sampler's prompt store (keys [P, K, D, W], values [P, K, W, D], attached for the step as ``pk`` /
+  ``pv``) once for its G slots (one [G * g, D] x [D, W] matmul per prompt and head, merged into the parts'
   softmax by the maxes, as the static sampler does); :meth:`SlotCache.take` puts each kept slot's prompt in front
   of its first part, the layout of the ladder's rungs below the first.
-* ``pages`` (TPU): keys and values [K, S * C / PAGE, PAGE, D], C = Tc + N - 1, slot s owning pages
+* ``pages`` (TPU): keys and values [K, S * C / PAGE, PAGE, D], C = W + N - 1, slot s owning pages
   [s * C / PAGE, (s + 1) * C / PAGE) in position order (plen is 0 to this layout: entry = position): the layout
   of JAX's Pallas TPU paged attention kernel (``jax.experimental.pallas.ops.tpu.paged_attention``), which the
   step runs on TPU for a layer without a sliding window whose head dim is a multiple of 128 (the kernel's lane
@@ -67,8 +70,8 @@ class SlotMask:
     """A decode step's mask over a SlotCache: visible bool[S, C] over each slot's columns (a prompt column c seen
     below its prompt's length, a generated entry up to the slot's own; both within the sliding window), shared
     prompts bool[1, C] (every slot at one entry); prompt (shared prompts; else None) the prompt store's entries
-    seen: bool[P, Tc], those below each prompt's length (a live slot's position is past them), or with a sliding
-    window bool[P, G, Tc], per slot; span int32: how many parts the step reads, less one (the first part end past
+    seen: bool[P, W], those below each prompt's length (a live slot's position is past them), or with a sliding
+    window bool[P, G, W], per slot; span int32: how many parts the step reads, less one (the first part end past
     every slot's column); window: the layer's sliding window (static; None: none)."""
 
     visible: jax.Array
@@ -82,7 +85,7 @@ class SlotCache:
     """S slots' columns per layer (layouts: see the module docstring): k, v tuples of L layers, each (``heads``) a
     tuple of parts or (``pages``) one array; qpos int32[S]: the position each slot feeds at this step; plen
     int32[S]: its row's prompt length (the position of generated entry 0; ``pages``: 0); pk, pv: the shared
-    prompt store, L x [P, K, D, Tc] / [P, K, Tc, D], attached for a step or a move (else ()); paged: the ``pages``
+    prompt store, L x [P, K, D, W] / [P, K, W, D], attached for a step or a move (else ()); paged: the ``pages``
     layout; width: the prompt columns leading the first part (``heads`` without shared prompts; else 0); group: G
     slots per prompt sharing its entries, every slot at one entry (:attr:`shared_entry`; 0: none)."""
 
@@ -166,7 +169,7 @@ class SlotCache:
         prompt = None
         if self.group:   # the store's entry c is position c, below a live slot's position: per prompt but for a window
             t = jnp.arange(self.pk[0].shape[-1], dtype=jnp.int32)
-            prompt = t[None, :] < self.plen[::self.group, None]   # [P, Tc]: a prompt's G slots share its length
+            prompt = t[None, :] < self.plen[::self.group, None]   # [P, W]: a prompt's G slots share its length
             if window is not None:
                 prompt = prompt[:, None, :] & (t > self.qpos.reshape(-1, self.group)[:, :, None] - window)
         span = jnp.sum(jnp.asarray(self.ends, jnp.int32) <= jnp.max(at) + self.width, dtype=jnp.int32)
@@ -327,15 +330,15 @@ def _scores(s, scale, softcap, seen):
 
 
 def _shared_prompts(q, cache: SlotCache, layer: int, seen, scale, softcap):
-    """Shared prompts' block for q [S, K, g, D]: each prompt's keys [K, D, Tc] scored once for its G slots' queries
-    (one [G * g, D] x [D, Tc] matmul per prompt and head, as the static sampler does); returns (max, normaliser,
+    """Shared prompts' block for q [S, K, g, D]: each prompt's keys [K, D, W] scored once for its G slots' queries
+    (one [G * g, D] x [D, W] matmul per prompt and head, as the static sampler does); returns (max, normaliser,
     unnormalised output) [S, K, g, 1 | 1 | D] of its part of the softmax."""
     S, K, g, D = q.shape
     pk, pv = cache.pk[layer].astype(q.dtype), cache.pv[layer].astype(q.dtype)
     P, G = pk.shape[0], cache.group
     qp = q.reshape(P, G, K, g, D).transpose(0, 2, 1, 3, 4).reshape(P, K, G * g, D)
-    s = jnp.einsum("pkqd,pkdc->pkqc", qp, pk, preferred_element_type=jnp.float32)   # [P, K, G * g, Tc]
-    # the mask [P, 1, 1 | G * g, Tc]; scores kept 4-D as the static sampler's (a [P, K, G, g, Tc] view made
+    s = jnp.einsum("pkqd,pkdc->pkqc", qp, pk, preferred_element_type=jnp.float32)   # [P, K, G * g, W]
+    # the mask [P, 1, 1 | G * g, W]; scores kept 4-D as the static sampler's (a [P, K, G, g, W] view made
     # XLA:CPU's fused softmax 3.5x slower)
     seen = seen[:, None, None, :] if seen.ndim == 2 else jnp.repeat(seen, g, axis=1)[:, None]
     s = _scores(s, scale, softcap, seen)

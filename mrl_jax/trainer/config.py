@@ -13,9 +13,9 @@ from typing import Any, Literal, Optional, Union
 from mrl_jax.configs import ConfigError, check, field
 from mrl_jax.grpo import normalize_scale
 from mrl_jax.learner import GRPOConfig, make_optimizer
-from mrl_jax.sampling import SamplingConfig
+from mrl_jax.sampler import SamplingConfig
 from mrl_jax.see import ViewShape
-from mrl_jax.slot_ladder import FLOOR, Ladder
+from mrl_jax.sampler.ladder import FLOOR, Ladder
 from mrl_jax.probes import RunOptions, make_probe
 from mrl_jax.trainer.dynamic_sampling import DynamicSamplingSpec
 from mrl_jax.trainer.task_spec import TaskSpec

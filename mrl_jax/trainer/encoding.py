@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from mrl_jax.tokenization.chat import PromptFormat, as_prompt_format
-from mrl_jax.rollout import bucket_length
+from mrl_jax.sampler import bucket_length
 from mrl_jax.tokenization import Tokenizer
 
 PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mrl_jax import mwra, rollout_slots
+from mrl_jax import mwra
+from mrl_jax import sampler as sampler_lib
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import lora as lora_lib
@@ -109,11 +110,11 @@ def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
     G, cfg, rows = pol.num_generations, pol.sampling, row_sharding(mesh)
     repl = NamedSharding(mesh, mwra.REPLICATED)
     ids, mask = (jax.ShapeDtypeStruct((P, Tp), dt, sharding=repl) for dt in (jnp.int32, jnp.bool_))
-    rungs = rollout_slots.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
-                                pol.spec.sampling.ladder, ragged=rollout_slots.ragged(cfg.eos_ids, S, P * G),
-                                shape=pol.spec.sampling.ladder_shape)
-    admit = rollout_slots.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
-    whole = rollout_slots.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
+    rungs = sampler_lib.rungs(pol.graphdef, params, S, cfg.max_new_tokens, int(mesh.devices.size),
+                              pol.spec.sampling.ladder, ragged=sampler_lib.ragged(cfg.eos_ids, S, P * G),
+                              ladder=pol.spec.sampling.ladder_shape)
+    admit = sampler_lib.admit_count(S) if S < P * G else 0   # a slot per row: no queue to refill from
+    whole = sampler_lib.round_program(pol.graphdef, cfg, G, rungs, Tp, admit, rows)
     return compiled_memory(whole.lower(params, ids, mask, _key(mesh)), (params, ids, mask))[1]
 
 
@@ -153,7 +154,7 @@ def _sampler(parts, pol, mesh, params, Tp: int, room: Optional[int] = None):
 
     asked = pol.spec.sampling.slots   # the config's S
     if asked is not None or fits(B):
-        s = rollout_slots.slot_count(B, asked, d)
+        s = sampler_lib.slot_count(B, asked, d)
         return fig(s), s
     best = largest_fitting(range(d, B, d), fits, guess=_linear_guess(fig(d), fig(B), d, B, room + tree_bytes(params))
                            if fits(d) else None)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError, config_warning
-from mrl_jax.rollout import bucket_length
+from mrl_jax.sampler import bucket_length
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.encoding import PROMPT_BUCKETS

@@ -37,7 +37,7 @@ from mrl_jax import mwra
 from mrl_jax.configs import ConfigError
 from mrl_jax.models import splash
 from mrl_jax.mwra import lockstep, owners
-from mrl_jax.rollout_slots import drive, slot_rollout
+from mrl_jax.sampler import drive, launch
 
 def config_rules(rules: Sequence[Sequence[Any]]) -> tuple:
     """``mwra.rules`` from the config (``[[regex, 'fsdp' | 'replicated' | [axes...]], ...]``) followed by the
@@ -170,7 +170,7 @@ def pad_prompts(ids: np.ndarray, mask: np.ndarray, multiple: int) -> tuple[np.nd
     """``ids``/``mask`` [P, Tp] padded with copies of the last prompt to a multiple of ``multiple`` rows.
 
     The padding rows are inactive: the round drops their samples on the host. The sampler's noise of row b is
-    drawn from ``fold_in(key, b)`` (`mrl_jax.rollout.row_uniforms`), so the real rows' samples are those
+    drawn from ``fold_in(key, b)`` (`mrl_jax.sampler.row_uniforms`), so the real rows' samples are those
     of an unpadded call."""
     P = ids.shape[0]
     extra = pad_rows(P, multiple) - P
@@ -219,15 +219,15 @@ def _replicate(mesh: Mesh) -> Callable:
 
 def mesh_generate(policy, params, prompt_ids: np.ndarray, prompt_mask: np.ndarray, key, sampling,
                   num_samples: int = 1):
-    """The slot sampler (`rollout_slots`) of ``policy`` on its mesh from host prompts, fetched to the host on every
+    """The slot sampler (`mrl_jax.sampler`) of ``policy`` on its mesh from host prompts, fetched to the host on every
     process (see `fetch`): rows padded to the data axis and trimmed again. For evaluation and other off-round
     sampling."""
     mesh = policy.mesh
     P = prompt_ids.shape[0]
     ids, mask = pad_prompts(np.asarray(prompt_ids), np.asarray(prompt_mask), int(mesh.devices.size))
-    out, = drive([slot_rollout(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
-                               slots=policy.slots, width=max(policy.slot_width, ids.shape[1]), mesh=mesh,
-                               shrink=policy.spec.sampling.ladder, ladder=policy.spec.sampling.ladder_shape)])
+    out, = drive([launch(policy.graphdef, params, ids, mask, key, sampling, num_samples=num_samples,
+                         slots=policy.slots, width=max(policy.slot_width, ids.shape[1]), mesh=mesh,
+                         shrink=policy.spec.sampling.ladder, ladder=policy.spec.sampling.ladder_shape)])
     return jax.tree.map(lambda x: x[:P * int(num_samples)], fetch(mesh, out))
 
 

@@ -22,7 +22,7 @@ from mrl_jax.learner import iterate, make_logp_fn, make_update_step
 from mrl_jax.mwra import lockstep
 from mrl_jax.models import lora as lora_lib
 from mrl_jax.probes import Probe, RunOptions, chain, make_probe
-from mrl_jax.rollout import SamplingConfig
+from mrl_jax.sampler import SamplingConfig
 from mrl_jax.see import ViewShape
 from mrl_jax.tokenization import Tokenizer, load_tokenizer, train_tokenizer
 from mrl_jax.trainer.config import PolicySpec, RunConfig

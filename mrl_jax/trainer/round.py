@@ -34,8 +34,8 @@ from flax import struct
 from mrl_jax import mwra
 from mrl_jax import see as see_lib
 from mrl_jax import thl
-from mrl_jax.rollout import Rollout
-from mrl_jax.rollout_slots import drive, slot_rollout
+from mrl_jax.sampler import Rollout
+from mrl_jax.sampler import drive, launch
 from mrl_jax.rows import Rows, own_rows
 from mrl_jax.tasks import ScoreResult, gate_success
 from mrl_jax.trainer.encoding import decode_completions, encode_prompts
@@ -152,12 +152,12 @@ def _replicated(pol: Policy, x):
 def _dispatch_rollout(pol: Policy, ps: PolicyState, ids: np.ndarray, mask: np.ndarray, key):
     """Launch policy ``pol``'s rollout on its mesh (not awaited): prompt rows padded to a multiple of the data
     axis (copies of the last prompt; their samples are dropped by `_trim`) and put there explicitly; the slot
-    sampler (``rollout_slots``: its round's one program, read by `drive`; ``pol.slots`` slots over the data axis, rows
+    sampler (`mrl_jax.sampler.launch`: its round's one program, read by `drive`; ``pol.slots`` slots over the data axis, rows
     admitted as slots free), on one process or several."""
     pids, pmask = pad_prompts(ids, mask, int(pol.mesh.devices.size))
-    return slot_rollout(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
-                        slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh,
-                        shrink=pol.spec.sampling.ladder, ladder=pol.spec.sampling.ladder_shape)
+    return launch(pol.graphdef, ps.params, pids, pmask, key, pol.sampling, num_samples=pol.num_generations,
+                  slots=pol.slots, width=max(pol.slot_width, pids.shape[1]), mesh=pol.mesh,
+                  shrink=pol.spec.sampling.ladder, ladder=pol.spec.sampling.ladder_shape)
 
 
 def _trim(out, rows: int):
@@ -216,7 +216,7 @@ def _rollouts(policies: Sequence[Policy], states: Sequence[PolicyState], texts: 
 def _sampler_metrics(stats: dict | None, counts, rollout) -> dict:
     """The slot sampler's figures of one rollout (``sampler/`` metrics): row-steps per kept token (1.0: no slot ever
     idle), decode steps and S, the padding prompts' rows counted as the sampler ran them. ``counts``: int[3] (decode
-    steps, row-steps, deepest rung) fetched from a mesh spanning processes (`rollout_slots.slot_rollout`), else None
+    steps, row-steps, deepest rung) fetched from a mesh spanning processes (`mrl_jax.sampler.read`), else None
     (``stats`` holds them). {} for a rollout that came without the sampler's figures (``stats`` None)."""
     if stats is None:
         return {}

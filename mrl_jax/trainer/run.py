@@ -18,7 +18,7 @@ import numpy as np
 
 from mrl_jax import see as see_lib
 from mrl_jax.configs import ConfigError
-from mrl_jax.slot_ladder import ragged, rungs, slot_count
+from mrl_jax.sampler import ragged, rungs, slot_count
 from mrl_jax.tasks import Prompt, Task
 from mrl_jax.trainer.config import RunConfig
 from mrl_jax.trainer.dynamic_sampling import oversampler
@@ -74,7 +74,7 @@ class Run:
             why = f"sampling.slots {asked}" if asked is not None else (
                 "every row" if s == rows else "the most the memory plan fits")
             ladder = rungs(pol.graphdef, built.state_shapes.params, s, pol.sampling.max_new_tokens, d, pol.spec.sampling.ladder,
-                           ragged=ragged(pol.sampling.eos_ids, s, rows), shape=pol.spec.sampling.ladder_shape)
+                           ragged=ragged(pol.sampling.eos_ids, s, rows), ladder=pol.spec.sampling.ladder_shape)
             out.append(f"sampler {pol.name}: S = {s} decode slots for {rows} rows a round ({why}); "
                        f"rungs {', '.join(map(str, ladder))}")
         return out

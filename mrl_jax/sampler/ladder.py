@@ -1,16 +1,20 @@
-"""The slot ladder: the slot counts a round of the slot sampler (:mod:`mrl_jax.rollout_slots`) decodes in, and the
-decode row-steps rows of given lengths cost there.
+"""The slot ladder: the slot counts (rungs) a round of the slot sampler (:mod:`mrl_jax.sampler.slots`) decodes in,
+and the decode row-steps rows of given lengths cost there.
 
-    ladder(128)                        # (128, 96, 64, 48, 32, 16, 8)
-    ladder(128, shape=Ladder(0.5, 1))  # (128, 64, 32, 16, 8, 4, 2, 1)
+    Ladder().rungs(128)                # (128, 96, 64, 48, 32, 16, 8)
+    Ladder(0.5, 1).rungs(128)          # (128, 64, 32, 16, 8, 4, 2, 1)
     ladder_row_steps(lengths, rungs)   # == generate_slots(...)[1]["row_steps"] at S >= rows on one device
 
 A round's rows start in S slots; once the queue is empty and the live rows fit the next rung, they move there, so
 a long tail of lengths decodes in few slots. Each rung is a decode loop (and a move) in the round's one program,
 whose compile grows with the rungs, so the default ladder is short: steps of 3/4 (to round numbers) above FINE slots,
-halves below, where a step's fixed cost dominates. A :class:`Ladder` with a ratio trades compile for row-steps:
-the full long tail of `bench_rollout.py` takes 1.24 row-steps per kept token on the default 7 rungs, 1.05 on
-``Ladder(0.9, 1)``'s 30, whose round compiles ~4x longer (RESULTS 3w).
+halves below, where a step's fixed cost dominates. A :class:`Ladder` with a ratio trades compile for row-steps
+(figures: benchmarks/RESULTS.md §3).
+
+Names: ``slots`` (S) the first rung's slot count; ``shrink`` whether the tail moves down at all (config key
+``sampling.ladder``); ``ladder`` a :class:`Ladder`, how the rungs step down (config keys ``sampling.ladder_ratio`` /
+``ladder_floor``); ``rungs`` the slot counts, S first; ``max_new_tokens`` N the completion length; ``multiple`` the
+devices the slots split over (every rung a multiple of it).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 from flax import nnx
 
-__all__ = ["Ladder", "ladder", "rungs", "ragged", "paged_layout", "graph_token", "slot_count", "min_row_steps",
+__all__ = ["Ladder", "rungs", "ragged", "paged_layout", "graph_token", "slot_count", "min_row_steps",
            "ladder_row_steps"]
 
 FINE = 32    # the slot ladder's rungs above this many slots step down by 3/4 or 2/3, half at or below it
@@ -59,24 +63,24 @@ class Ladder:
             return _round_number(max(1, slots * 3 // 4 if slots > FINE else slots // 2))
         return min(slots - 1, int(slots * self.ratio))
 
-
-def ladder(slots: int, multiple: int = 1, shrink: bool = True, shape: Ladder = Ladder()) -> tuple[int, ...]:
-    """The slot counts a round decodes in, largest first: ``slots``, then each rung's :meth:`Ladder.below` rounded up
-    to a multiple of ``multiple``, while that is below the last and at least max(``shape.floor``, multiple), RUNGS
-    (a ratio: MAX_RUNGS) at most; (slots,) without ``shrink``. Once the queue is empty and the live rows fit the
-    next rung, they move there (`_compact`): the long tail of a round decodes in few slots, each default step above
-    FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost dominates). Default: 128 -> (128, 96,
-    64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48, 32, 16, 8); 12 -> (12,)."""
-    out, m = [int(slots)], int(multiple)
-    most = RUNGS if shape.ratio is None else MAX_RUNGS
-    while shrink and len(out) < most:
-        nxt = -(-shape.below(out[-1]) // m) * m
-        if shape.ratio is not None and nxt >= out[-1]:   # a ratio steps down at least one multiple
-            nxt = out[-1] - m
-        if nxt >= out[-1] or nxt < max(shape.floor, m):
-            break
-        out.append(nxt)
-    return tuple(out)
+    def rungs(self, slots: int, multiple: int = 1, shrink: bool = True) -> tuple[int, ...]:
+        """The slot counts a round decodes in, largest first: ``slots``, then each rung's :meth:`below` rounded up
+        to a multiple of ``multiple``, while that is below the last and at least max(``floor``, multiple), RUNGS (a
+        ratio: MAX_RUNGS) at most; (slots,) without ``shrink``. Once the queue is empty and the live rows fit the
+        next rung, they move there (`slots._compact`): the long tail of a round decodes in few slots, each default
+        step above FINE in at most ~1.5 x its live rows' slots (below it a step's fixed cost dominates). Default: 128
+        -> (128, 96, 64, 48, 32, 16, 8); 512 -> (512, 384, 256, ..., 32, 16); 100 -> (100, 64, 48, 32, 16, 8); 12 ->
+        (12,)."""
+        out, m = [int(slots)], int(multiple)
+        most = RUNGS if self.ratio is None else MAX_RUNGS
+        while shrink and len(out) < most:
+            nxt = -(-self.below(out[-1]) // m) * m
+            if self.ratio is not None and nxt >= out[-1]:   # a ratio steps down at least one multiple
+                nxt = out[-1] - m
+            if nxt >= out[-1] or nxt < max(self.floor, m):
+                break
+            out.append(nxt)
+        return tuple(out)
 
 
 _GRAPHS: dict = {}   # GraphDef -> its token: hashed once per distinct graph
@@ -86,8 +90,8 @@ _PAGED: dict = {}    # token -> paged_layout
 
 def graph_token(graphdef) -> int:
     """A small int naming ``graphdef``'s graph (equal GraphDefs, equal tokens), found by identity first: hashing a
-    GraphDef walks the model's graph (~150 us at 2 layers, ~2 ms at 28, on this CPU), and a run passes each
-    policy's one GraphDef object to its sampler every round."""
+    GraphDef walks the model's whole graph (milliseconds for a real model), and a run passes each policy's one
+    GraphDef object to its sampler every round."""
     hit = _BY_ID.get(id(graphdef))
     if hit is not None and hit[0] is graphdef:
         return hit[1]
@@ -101,8 +105,8 @@ def graph_token(graphdef) -> int:
 def paged_layout(graphdef, params) -> bool:
     """Whether the model's slot cache takes the ``pages`` layout (``attention: splash``, the TPU path): each slot's
     attention reads its own length there, so a free slot costs one page and the ladder would buy no step time for
-    its compiles and moves (`slot_rollout` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's part up to
-    the furthest slot, so its tail moves down the ladder. ``params`` may be abstract (ShapeDtypeStructs)."""
+    its compiles and moves (`mrl_jax.sampler.launch` keeps S); the ``heads`` layout (CPU, GPU) reads every slot's
+    part up to the furthest slot, so its tail moves down the ladder. ``params`` may be abstract (ShapeDtypeStructs)."""
     token = graph_token(graphdef)
     if token not in _PAGED:
         mcfg = getattr(nnx.merge(graphdef, params), "config", None)
@@ -117,17 +121,16 @@ def ragged(stops, slots: int, rows: int) -> bool:
     return bool(stops) or slots < rows
 
 
-def rungs(graphdef, params, slots: int, new_tokens: int, multiple: int = 1, shrink: bool = True, *,
-          ragged: bool = True, shape: Ladder = Ladder()) -> tuple[int, ...]:
-    """The slot counts a round of this model decodes in: the :func:`ladder` of ``slots`` with ``shrink`` and
-    ``shape``, on the ``heads`` cache layout, for a round of more than SHORT ``new_tokens`` whose rows can end at
-    different steps (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`),
-    where rows that end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT
-    steps: too few for the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens:
-    155 programs with them, 103 without; 90 s against 62 s from an empty compilation cache, 30-33 s against 23-25 s
-    from a full one)."""
-    return ladder(slots, multiple, shrink and ragged and new_tokens > SHORT and not paged_layout(graphdef, params),
-                  shape)
+def rungs(graphdef, params, slots: int, max_new_tokens: int, multiple: int = 1, shrink: bool = True, *,
+          ragged: bool = True, ladder: Ladder = Ladder()) -> tuple[int, ...]:
+    """The slot counts a round of this model decodes in: ``ladder.rungs(slots, multiple, shrink)`` on the ``heads``
+    cache layout, for a round of more than SHORT ``max_new_tokens`` whose rows can end at different steps
+    (``ragged``: :func:`ragged`); else ``(slots,)``: on the ``pages`` layout (:func:`paged_layout`), where rows that
+    end all at once have nothing to move, and for short rounds, whose tail lasts at most SHORT steps: too few for
+    the rungs' decode loops and moves to repay their compile (`mrl demo --quick`, 8 new tokens, compiles a third
+    fewer programs without them: RESULTS §12)."""
+    return ladder.rungs(slots, multiple,
+                        shrink and ragged and max_new_tokens > SHORT and not paged_layout(graphdef, params))
 
 
 def slot_count(rows: int, slots: int | None, multiple: int = 1) -> int:

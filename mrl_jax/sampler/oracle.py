@@ -1,4 +1,7 @@
-"""Jitted KV-cache sampler: prefill + ``lax`` decode loop, temperature / top-k / top-p / min-p, per-sequence EOS.
+"""The static sampler, the slot sampler's test oracle: one jitted program of prefill + ``lax`` decode loops over
+all B = P * G rows at once (temperature / top-k / top-p / min-p, per-row EOS). The slot sampler
+(:mod:`mrl_jax.sampler.rounds`) gives its tokens and log-probs for every slot count; the library samples with that
+one, the tests and benchmarks compare against this one.
 
 The one entry point is :func:`generate`::
 
@@ -35,38 +38,22 @@ How it works (all on device, no host sync inside the loop):
   over any number of devices, leaves the real rows' samples unchanged.
 
 Behaviour log-probs (``Rollout.logprobs``, ``SamplingConfig.logprobs_of``) and the sampling rules: see
-:mod:`mrl_jax.sampling`. Outputs after a row's EOS are ``pad_id`` tokens with ``mask=False`` and ``logprobs=0``;
+:mod:`mrl_jax.sampler.sampling`. Outputs after a row's EOS are ``pad_id`` tokens with ``mask=False`` and ``logprobs=0``;
 the EOS token itself is kept with ``mask=True``.
 """
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
-from mrl_jax.sampling import SamplingConfig, categorical, nucleus_mask, sample_rows, sample_step
+from mrl_jax.sampler.batch import Rollout
+from mrl_jax.sampler.sampling import SamplingConfig, row_uniforms, sample_rows
 
-__all__ = [
-    "SamplingConfig",
-    "Rollout",
-    "generate",
-    "sample",
-    "bucket_length",
-    "left_pad",
-    "sample_step",
-    "categorical",
-    "nucleus_mask",
-    "trace_count",
-    "gen_buckets",
-    "row_uniforms",
-    "DEFAULT_BUCKETS",
-]
+__all__ = ["generate", "sample", "trace_count", "gen_buckets"]
 
-DEFAULT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # Incremented every time `generate` is traced (python side effect; runs only while tracing).
 _TRACES = 0
@@ -77,85 +64,6 @@ def trace_count() -> int:
     return _TRACES
 
 
-@struct.dataclass
-class Rollout:
-    """Sampler output. N = max_new_tokens.
-
-    tokens: int32[B, N] generated ids (pad_id after the row stopped).
-    logprobs: f32[B, N] behaviour log-probs (see ``SamplingConfig.logprobs_of``; 0 where mask is False).
-    sampling_logprobs: f32[B, N] log-probs under the distribution sampled from (tempered, then top-k / top-p /
-      min-p filtered and renormalised; 0 for greedy and where mask is False): the density of an importance
-      weight of these samples.
-    mask: bool[B, N] True for generated tokens up to AND including the EOS.
-    lengths: int32[B] number of True entries of mask.
-    truncated: bool[B] True when the row never emitted EOS within N tokens.
-    """
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    sampling_logprobs: jax.Array
-    mask: jax.Array
-    lengths: jax.Array
-    truncated: jax.Array
-
-
-# --------------------------------------------------------------------------------------------------
-# Shapes
-# --------------------------------------------------------------------------------------------------
-def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """Smallest bucket >= n; beyond the largest bucket, the next multiple of the largest bucket.
-
-    Padding sequence lengths up to a few sizes bounds the number of compilations of jitted steps.
-    """
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"bucket_length: n must be >= 0, got {n}")
-    bs = sorted(int(b) for b in buckets)
-    if not bs or bs[0] <= 0:
-        raise ValueError(f"bucket_length: buckets must be positive ints, got {buckets}")
-    for b in bs:
-        if n <= b:
-            return b
-    top = bs[-1]
-    return -(-n // top) * top
-
-
-def left_pad(
-    seqs: Sequence[Sequence[int]],
-    pad_id: int,
-    *,
-    length: int | None = None,
-    buckets: Sequence[int] | None = DEFAULT_BUCKETS,
-    batch_size: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad token lists into ``(ids int32[B, T], mask bool[B, T])`` (numpy, host side).
-
-    T = ``length`` if given, else ``bucket_length(max len, buckets)`` (or the max len when buckets is
-    None). ``batch_size`` pads the batch with all-pad rows holding one ``pad_id`` token marked real
-    (so every row has >= 1 real token); slice them off the outputs. Sequences longer than T keep their
-    last T tokens.
-    """
-    if not seqs and not batch_size:
-        raise ValueError("left_pad: no sequences")
-    if any(len(s) == 0 for s in seqs):
-        raise ValueError("left_pad: every prompt needs at least one token (e.g. BOS)")
-    longest = max((len(s) for s in seqs), default=1)
-    if length is None:
-        length = bucket_length(longest, buckets) if buckets else longest
-    b = max(len(seqs), batch_size or 0)
-    ids = np.full((b, length), pad_id, dtype=np.int32)
-    mask = np.zeros((b, length), dtype=bool)
-    for i, s in enumerate(seqs):
-        s = list(s)[-length:]
-        ids[i, length - len(s):] = s
-        mask[i, length - len(s):] = True
-    mask[len(seqs):, -1] = True
-    return ids, mask
-
-
-# --------------------------------------------------------------------------------------------------
-# The sampler
-# --------------------------------------------------------------------------------------------------
 def gen_buckets(max_new_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     """Length buckets of the generated part of the cache: decode step i (1 <= i < N) attends over the
     first bucket >= i, so early steps do not read ``max_new_tokens`` slots. Doubling from ``smallest``
@@ -166,13 +74,6 @@ def gen_buckets(max_new_tokens: int, smallest: int = 64) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out) + ((need,) if need > 0 else ())
-
-
-def row_uniforms(key: jax.Array, rows: int, steps: int) -> jax.Array:
-    """f32[B, N, 2]: the sampling uniforms of row b at each of its N steps, drawn from the row's own key
-    ``fold_in(key, b)``: a row's numbers depend neither on the number of rows nor on where the row runs."""
-    return jax.vmap(lambda b: jax.random.uniform(jax.random.fold_in(key, b), (steps, 2), jnp.float32))(
-        jnp.arange(rows, dtype=jnp.int32))
 
 
 def _record(i, tok, lp, done, tokens, logps, out_mask, pad, eos):

@@ -1,7 +1,7 @@
 """Sampling from one decode step's logits: :class:`SamplingConfig` (temperature / top-k / top-p / min-p / greedy, EOS,
 which log-probs to report) and the pure functions :func:`sample_step`, :func:`categorical`, :func:`nucleus_mask`
-that :func:`mrl_jax.rollout.generate` calls inside its decode loop (:func:`sample_with_uniforms`, with the step's
-uniforms drawn up front).
+that both samplers call inside their decode loops (:func:`sample_rows`, with each step's uniforms drawn up front by
+:func:`row_uniforms`: row b's stream ``fold_in(key, b)``, whatever slot or device it runs on).
 
 Behaviour log-probs (``Rollout.logprobs``) -- which distribution (``SamplingConfig.logprobs_of``):
 
@@ -29,17 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingConfig", "categorical", "nucleus_mask", "sample_rows", "sample_step", "sample_with_uniforms"]
+__all__ = ["SamplingConfig", "categorical", "nucleus_mask", "sample_rows", "sample_step", "sample_with_uniforms",
+           "row_uniforms"]
 
 _LOGPROBS_OF = ("tempered", "sampling", "raw")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How to sample. Frozen and hashable: it is a static argument of the jitted :func:`mrl_jax.rollout.generate`.
+    """How to sample. Frozen and hashable: it is a static argument of the samplers' jitted programs.
 
     Attributes:
-      max_new_tokens: N, the number of decode steps (output length). >= 1.
+      max_new_tokens: N, the completion length: tokens sampled per row, token 0 from the prefill (TRL's
+        ``max_completion_length``). >= 1.
       temperature: logits are divided by it before sampling. 0 means greedy.
       top_k: keep the k most likely tokens (0 = off). Applied after temperature, before top_p.
       top_p: nucleus sampling: keep the smallest set of most likely tokens whose (renormalised) mass
@@ -59,9 +61,9 @@ class SamplingConfig:
         tokenizer's vocabulary (released Phi-3: 32064 rows, 32011 tokens; Qwen2.5: 151936, 151665), which decode
         to nothing. The choice and the "sampling" log-probs exclude them; "tempered" / "raw" keep the full
         vocabulary (what the learner scores).
-      cache_bucket: the smallest length bucket of the generated part of the cache (:func:`mrl_jax.rollout.gen_buckets`);
-        each further bucket doubles it and adds one decode loop to the compiled program (compile time),
-        so the default keeps generations of <= 65 tokens in one loop. The slot sampler's cache is cut in parts
+      cache_bucket: the smallest length bucket of the generated part of the cache
+        (:func:`mrl_jax.sampler.oracle.gen_buckets`); each further bucket doubles it and adds one decode loop to
+        the compiled program (compile time), so the default keeps generations of <= 65 tokens in one loop. The slot sampler's cache is cut in parts
         at the same doubling (:func:`mrl_jax.models.slot_cache.spans`): a decode step reads the parts up to its
         slots' furthest position.
     """
@@ -284,3 +286,11 @@ def sample_rows(logits: jax.Array, u, config: SamplingConfig) -> tuple[jax.Array
     if config.logprobs_of == "sampling" or unfiltered:   # unfiltered: that distribution is the tempered one
         return tok, filtered_lp, filtered_lp
     return tok, _logprob_at(tempered, tok), filtered_lp   # "tempered" after a filter
+
+
+def row_uniforms(key: jax.Array, rows: int, steps: int) -> jax.Array:
+    """f32[B, N, 2]: the sampling uniforms of row b at each of its N steps, drawn from the row's own key
+    ``fold_in(key, b)``: a row's numbers depend neither on the number of rows nor on where the row runs."""
+    return jax.vmap(lambda b: jax.random.uniform(jax.random.fold_in(key, b), (steps, 2), jnp.float32))(
+        jnp.arange(rows, dtype=jnp.int32))
+
