@@ -75,7 +75,7 @@ class SamplingSpec:
     top_p: float = field(1.0, help="nucleus mass; 1.0 = off")
     min_p: float = field(0.0, help="keep tokens with probability >= min_p x the top one's; 0 = off (TRL's "
                                            "default None means the same)")
-    slots: Optional[int] = field(None, help="decode slots of the sampler (mrl_jax.rollout_slots: rows enter as "
+    slots: Optional[int] = field(None, help="decode slots of the sampler (mrl_jax.sampler: rows enter as "
                                             "slots free, one decode program); None = every row (P x G), rounded "
                                             "up to a multiple of the policy's data axis")
     ladder: bool = field(True, help="once the queue is empty, move a round's last rows to fewer slots as they "
@@ -112,7 +112,7 @@ class SamplingSpec:
 
     @property
     def ladder_shape(self) -> Ladder:
-        """How the slot sampler's rungs step down (`slot_ladder.Ladder`)."""
+        """How the slot sampler's rungs step down (`mrl_jax.sampler.Ladder`)."""
         return Ladder(self.ladder_ratio, self.ladder_floor)
 
     def build(self, stop_ids: tuple[int, ...], pad_id: int, vocab_size: int = 0) -> SamplingConfig:

@@ -4,7 +4,7 @@ At start (before any warm start or round) `plan_memory` lowers every policy's pi
 abstract inputs of the round's shapes -- P prompts of the widest train prompt (bucketed as the round
 buckets it) x G completions of ``max_new_tokens``, the SEE view of its slots -- compiles them, and reads
 XLA's ``memory_analysis()`` (`mrl_jax.mwra.memory_plan`). The sampler is the slot sampler
-(`mrl_jax.rollout_slots`: its round's one program) at ``sampling.slots`` when set,
+(`mrl_jax.sampler`: its round's one program) at ``sampling.slots`` when set,
 else at every row when that fits, else at the largest S that does (the plan prints S; none fitting, while the
 state and the update fit, is the misfit line naming ``sampling.slots`` and the figure). With the persistent
 compilation cache on, the first round loads these programs instead of compiling them again.
@@ -102,7 +102,7 @@ def _update_inputs(parts, pol, mesh, Tp: int):
 
 
 def _slot_memory(pol, mesh, params, P: int, Tp: int, S: int):
-    """The slot sampler's figure at S slots: its round's one program (`rollout_slots.round_program`: the prefill,
+    """The slot sampler's figure at S slots: its round's one program (`sampler.round_program`: the prefill,
     each rung's decode steps and the moves between them) compiled on abstract inputs, with the Pallas kernel
     calls; None where the backend reports none."""
     from mrl_jax.mwra import row_sharding

@@ -63,8 +63,8 @@ class Run:
         self.warm_start_losses: dict[str, list[float]] = {}
 
     def sampler_lines(self) -> list[str]:
-        """One line per policy: its sampler in a train round (`mrl_jax.rollout_slots`): the rows (P x G, P padded
-        to its data axis), the decode slots S and the rungs the round's tail moves down (`slot_ladder.rungs`)."""
+        """One line per policy: its sampler in a train round (`mrl_jax.sampler`): the rows (P x G, P padded
+        to its data axis), the decode slots S and the rungs the round's tail moves down (`sampler.rungs`)."""
         out = []
         for pol, built in zip(self.policies, self.parts.policies):
             d = int(pol.mesh.devices.size)
